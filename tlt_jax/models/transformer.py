@@ -1,0 +1,331 @@
+"""Llama / Qwen2-family decoder (Flax NNX) with an explicit KV cache.
+
+Dimension legend: B batch, T query tokens, S cached kv length, L layers, N query heads,
+K kv heads, G = N // K query heads per kv head, H head dim, D model, F mlp, V vocab.
+
+Layer weights are stacked along a leading L axis and the forward scans over them, so a
+30-layer model compiles like a one-layer one. The forward never mutates anything: it returns
+the final-norm features (the drafter's input and the LM head's input) and the new keys and
+values of the T query tokens; writing them into a cache is the caller's explicit step
+(`write_kv`), which lets tree verification commit only the accepted path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.parallel.sharding import constrain
+
+ATTENTION_IMPLS = ("xla", "pallas")
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer for B slots of S positions."""
+
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+        shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+        dtype = dtype or config.jnp_dtype
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    def view(self, batch: int, length: int) -> KVCache:
+        """The first `batch` slots and `length` positions (static sizes: one program each)."""
+        return KVCache(k=self.k[:, :batch, :length], v=self.v[:, :batch, :length])
+
+
+class NewKV(NamedTuple):
+    """Keys and values computed for the query tokens of one forward."""
+
+    k: jax.Array  # [L, B, T, K, H]
+    v: jax.Array  # [L, B, T, K, H]
+
+
+def write_kv(cache: KVCache, new: NewKV, start_B: jax.Array) -> KVCache:
+    """Writes T new positions of the first B slots at per-slot offsets `start_B`."""
+
+    def one(cache_LxSxKxH, new_LxTxKxH, start):
+        return jax.lax.dynamic_update_slice(cache_LxSxKxH, new_LxTxKxH, (0, start, 0, 0))
+
+    def write(cache_arr, new_arr):
+        b = new_arr.shape[1]
+        updated = jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)(
+            cache_arr[:, :b], new_arr.astype(cache_arr.dtype), start_B
+        )
+        return cache_arr.at[:, :b].set(updated)
+
+    return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v))
+
+
+# ----------------------------------------------------------------------------- math
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [H/2], with the checkpoint's scaling applied."""
+    h = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type == "default":
+        return inv.astype(np.float32)
+    if scaling.rope_type == "linear":
+        return (inv / scaling.factor).astype(np.float32)
+    # llama3: long wavelengths are divided by `factor`, short ones kept, smooth in between.
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = np.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
+    return scaled.astype(np.float32)
+
+
+def rope_sin_cos(positions_BxT: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    angles_BxTxH2 = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.sin(angles_BxTxH2), jnp.cos(angles_BxTxH2)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, sin_BxTxH2: jax.Array, cos_BxTxH2: jax.Array) -> jax.Array:
+    """HF-style (rotate-half) rotary embedding, computed in float32."""
+    x = x_BxTxNxH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    sin, cos = sin_BxTxH2[:, :, None, :], cos_BxTxH2[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)
+
+
+def causal_mask(batch: int, length: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
+
+
+def segment_causal_mask(segment_ids_BxT: jax.Array) -> jax.Array:
+    """Causal and block-diagonal: packed samples never attend across segments."""
+    b, t = segment_ids_BxT.shape
+    same = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+    return causal_mask(b, t) & same
+
+
+def attention(
+    q_BxTxNxH: jax.Array,
+    k_BxTxKxH: jax.Array,
+    v_BxTxKxH: jax.Array,
+    mask_BxTxT: jax.Array,
+    cache_k_BxSxKxH: jax.Array | None = None,
+    cache_v_BxSxKxH: jax.Array | None = None,
+    cache_lens_B: jax.Array | None = None,
+    impl: str = "xla",
+) -> jax.Array:
+    """Softmax attention over the valid cached prefix plus the masked new tokens."""
+    if impl == "pallas" and cache_k_BxSxKxH is not None:
+        from pallas_kernels.tree_attention import tree_attention
+
+        return tree_attention(
+            q_BxTxNxH, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B,
+            k_BxTxKxH, v_BxTxKxH, mask_BxTxT,
+        )  # fmt: skip
+    b, t, n, h = q_BxTxNxH.shape
+    k = k_BxTxKxH.shape[2]
+    q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h) * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)
+    neg = jnp.finfo(jnp.float32).min
+    logits_new = jnp.einsum(
+        "BTKGH,BtKH->BKGTt", q_BxTxKxGxH, k_BxTxKxH, preferred_element_type=jnp.float32
+    )
+    logits_new = jnp.where(mask_BxTxT[:, None, None], logits_new, neg)
+    if cache_k_BxSxKxH is None:
+        probs = jax.nn.softmax(logits_new, axis=-1).astype(v_BxTxKxH.dtype)
+        out = jnp.einsum("BKGTt,BtKH->BTKGH", probs, v_BxTxKxH)
+        return out.reshape(b, t, n, h)
+    s = cache_k_BxSxKxH.shape[1]
+    logits_cache = jnp.einsum(
+        "BTKGH,BSKH->BKGTS",
+        q_BxTxKxGxH,
+        cache_k_BxSxKxH.astype(q_BxTxNxH.dtype),
+        preferred_element_type=jnp.float32,
+    )
+    valid_BxS = jnp.arange(s)[None, :] < cache_lens_B[:, None]
+    logits_cache = jnp.where(valid_BxS[:, None, None, None, :], logits_cache, neg)
+    probs = jax.nn.softmax(jnp.concatenate([logits_cache, logits_new], axis=-1), axis=-1)
+    probs = probs.astype(v_BxTxKxH.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., :s], cache_v_BxSxKxH.astype(probs.dtype))
+    out = out + jnp.einsum("BKGTt,BtKH->BTKGH", probs[..., s:], v_BxTxKxH)
+    return out.reshape(b, t, n, h)
+
+
+def decoder_layer(
+    params: dict[str, jax.Array],
+    x_BxTxD: jax.Array,
+    sin_cos: tuple[jax.Array, jax.Array],
+    mask_BxTxT: jax.Array,
+    config: ModelConfig,
+    cache_k_BxSxKxH: jax.Array | None = None,
+    cache_v_BxSxKxH: jax.Array | None = None,
+    cache_lens_B: jax.Array | None = None,
+    attention_impl: str = "xla",
+    input_norm: bool = True,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One pre-norm decoder layer; returns the output and the new keys/values."""
+    dtype = config.jnp_dtype
+    p = {name: value.astype(dtype) for name, value in params.items() if "norm" not in name}
+    h_BxTxD = rms_norm(x_BxTxD, params["attn_norm"], config.rms_norm_eps) if input_norm else x_BxTxD
+    q = jnp.einsum("BTD,DNH->BTNH", h_BxTxD, p["q"])
+    k = jnp.einsum("BTD,DKH->BTKH", h_BxTxD, p["k"])
+    v = jnp.einsum("BTD,DKH->BTKH", h_BxTxD, p["v"])
+    if config.attention_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    q = constrain(apply_rope(q, *sin_cos), ("batch", "length", "q_heads", "head_dim"))
+    k = constrain(apply_rope(k, *sin_cos), ("batch", "length", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+    attn = attention(
+        q, k, v, mask_BxTxT, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B, attention_impl
+    )
+    x_BxTxD = x_BxTxD + jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
+    x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
+    h_BxTxD = rms_norm(x_BxTxD, params["mlp_norm"], config.rms_norm_eps)
+    gate_BxTxF = jnp.einsum("BTD,DF->BTF", h_BxTxD, p["gate"])
+    up_BxTxF = jnp.einsum("BTD,DF->BTF", h_BxTxD, p["up"])
+    hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "length", "mlp"))
+    x_BxTxD = x_BxTxD + jnp.einsum("BTF,FD->BTD", hidden_BxTxF, p["down"])
+    return constrain(x_BxTxD, ("batch", "length", "embed")), (k, v)
+
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class DecoderLayers(nnx.Module):
+    """`num_layers` decoder layers with weights stacked on a leading L axis."""
+
+    def __init__(self, config: ModelConfig, num_layers: int, *, rngs: nnx.Rngs):
+        d, f, n, k, h = (config.hidden_size, config.intermediate_size, config.num_heads,
+                         config.num_kv_heads, config.head_dim)  # fmt: skip
+        dt, L = config.jnp_param_dtype, num_layers
+        self.attn_norm = _param(rngs, (L, d), ("layers", "norm"), dt, "ones")
+        self.q = _param(rngs, (L, d, n, h), ("layers", "embed", "q_heads", "head_dim"), dt)
+        self.k = _param(rngs, (L, d, k, h), ("layers", "embed", "kv_heads", "head_dim"), dt)
+        self.v = _param(rngs, (L, d, k, h), ("layers", "embed", "kv_heads", "head_dim"), dt)
+        if config.attention_bias:
+            self.q_bias = _param(rngs, (L, n, h), ("layers", "q_heads", "head_dim"), dt, "zeros")
+            self.k_bias = _param(rngs, (L, k, h), ("layers", "kv_heads", "head_dim"), dt, "zeros")
+            self.v_bias = _param(rngs, (L, k, h), ("layers", "kv_heads", "head_dim"), dt, "zeros")
+        self.o = _param(rngs, (L, n, h, d), ("layers", "q_heads", "head_dim", "embed"), dt)
+        self.mlp_norm = _param(rngs, (L, d), ("layers", "norm"), dt, "ones")
+        self.gate = _param(rngs, (L, d, f), ("layers", "embed", "mlp"), dt)
+        self.up = _param(rngs, (L, d, f), ("layers", "embed", "mlp"), dt)
+        self.down = _param(rngs, (L, f, d), ("layers", "mlp", "embed"), dt)
+
+    def stacked(self) -> dict[str, jax.Array]:
+        """The layer weights as a dict of [L, ...] arrays (the scan's input)."""
+        return {path[0]: var.get_value() for path, var in nnx.to_flat_state(nnx.state(self))}
+
+
+class Transformer(nnx.Module):
+    """The policy: token ids -> final-norm features (and logits through `logits`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, v, dt = config.hidden_size, config.vocab_size, config.jnp_param_dtype
+        self.embed = _param(rngs, (v, d), ("vocab", "embed"), dt)
+        self.layers = DecoderLayers(config, config.num_layers, rngs=rngs)
+        self.final_norm = _param(rngs, (d,), ("norm",), dt, "ones")
+        if not config.tie_word_embeddings:
+            self.lm_head = _param(rngs, (d, v), ("embed", "vocab"), dt)
+
+    def embed_tokens(self, tokens_BxT: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed.get_value(), tokens_BxT, axis=0).astype(self.config.jnp_dtype)
+        return constrain(x, ("batch", "length", "embed"))
+
+    def head_weight_DxV(self) -> jax.Array:
+        if self.config.tie_word_embeddings:
+            return self.embed.get_value().T
+        return self.lm_head.get_value()
+
+    def logits(self, features_BxTxD: jax.Array) -> jax.Array:
+        """LM head in the compute dtype, returned as float32 [B, T, V]."""
+        w = self.head_weight_DxV().astype(self.config.jnp_dtype)
+        logits = jnp.einsum("BTD,DV->BTV", features_BxTxD.astype(w.dtype), w,
+                            preferred_element_type=jnp.float32)  # fmt: skip
+        return constrain(logits, ("batch", "length", "vocab"))
+
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array,
+        *,
+        mask_BxTxT: jax.Array | None = None,
+        cache: KVCache | None = None,
+        cache_lens_B: jax.Array | None = None,
+        attention_impl: str = "xla",
+    ) -> tuple[jax.Array, NewKV]:
+        """Runs the decoder over T new tokens per row.
+
+        Args:
+          tokens_BxT: token ids.
+          positions_BxT: RoPE positions of the tokens.
+          mask_BxTxT: which new tokens each new token attends to (default causal). A tree
+            mask for verification, a block-diagonal one for packed training windows.
+          cache: keys/values of earlier positions ([L, B, S, K, H]); every query also
+            attends to cache positions `< cache_lens_B[b]`.
+          cache_lens_B: valid cached length per row (required with `cache`).
+          attention_impl: "xla" (jnp) or "pallas" (the tree-attention kernel, cached path).
+
+        Returns:
+          (features_BxTxD: final-norm hidden states, NewKV of the T tokens for every layer).
+        """
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"{attention_impl=} is not one of {list(ATTENTION_IMPLS)}")
+        if (cache is None) != (cache_lens_B is None):
+            raise ValueError("cache and cache_lens_B must be given together")
+        config = self.config
+        b, t = tokens_BxT.shape
+        if mask_BxTxT is None:
+            mask_BxTxT = causal_mask(b, t)
+        sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
+        x_BxTxD = self.embed_tokens(tokens_BxT)
+
+        def body(x, layer):
+            params, cache_k, cache_v = layer
+            x, kv = decoder_layer(params, x, sin_cos, mask_BxTxT, config, cache_k, cache_v,
+                                  cache_lens_B, attention_impl)  # fmt: skip
+            return x, kv
+
+        xs = (self.layers.stacked(),
+              None if cache is None else cache.k, None if cache is None else cache.v)  # fmt: skip
+        x_BxTxD, (k_new, v_new) = jax.lax.scan(body, x_BxTxD, xs)
+        features = rms_norm(x_BxTxD, self.final_norm.get_value(), config.rms_norm_eps)
+        return features, NewKV(k=k_new, v=v_new)
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    return Transformer(config, rngs=nnx.Rngs(params=seed))

@@ -1,0 +1,181 @@
+"""Logical axis names -> mesh axes, one rules table per role.
+
+Params carry logical axis names as NNX variable metadata (`logical_axes=(...)`); activations
+are constrained by name inside the model. A role's rules table maps each logical name to a
+mesh axis (or a tuple of mesh axes, or None for replicated):
+
+- `train`: FSDP over `fsdp` (the embed dimension of every weight) x tensor parallel over
+  `tensor` (heads, mlp, vocab); the batch is split over both data-like axes.
+- `rollout`: tensor parallel within one replica; replicas split the batch over `data`.
+- `drafter`: like rollout (the drafter decodes next to the policy on the same slice).
+
+Mesh axes: `data` (replicas / FSDP) and `tensor`. A mesh `(2, 4)` means 2 x 4 devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+LOGICAL_AXES = (
+    "batch", "length", "kv_length", "layers", "vocab", "embed", "mlp", "q_heads", "kv_heads",
+    "head_dim", "norm",
+)  # fmt: skip
+
+RULES: dict[str, Rules] = {
+    "train": (
+        ("batch", "data"),
+        ("length", None),
+        ("kv_length", None),
+        ("layers", None),
+        ("vocab", "tensor"),
+        ("embed", "data"),
+        ("mlp", "tensor"),
+        ("q_heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("head_dim", None),
+        ("norm", None),
+    ),
+    "rollout": (
+        ("batch", "data"),
+        ("length", None),
+        ("kv_length", None),
+        ("layers", None),
+        ("vocab", "tensor"),
+        ("embed", None),
+        ("mlp", "tensor"),
+        ("q_heads", "tensor"),
+        ("kv_heads", "tensor"),
+        ("head_dim", None),
+        ("norm", None),
+    ),
+}
+RULES["drafter"] = RULES["rollout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingContext:
+    mesh: Mesh
+    rules: Rules
+
+
+_CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVar(
+    "tlt_jax_sharding", default=None
+)
+
+
+def make_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tensor")) -> Mesh:
+    """A device mesh of `shape` over the first prod(shape) devices.
+
+    Raises:
+      ValueError: if the mesh needs more devices than are available.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != len(axis_names):
+        raise ValueError(f"mesh shape={shape} must have one entry per axis {tuple(axis_names)}")
+    needed = int(np.prod(shape))
+    devices = jax.devices()
+    if needed > len(devices) or needed <= 0:
+        raise ValueError(f"mesh shape={shape} needs {needed} devices; {len(devices)} available")
+    return jax.make_mesh(shape, tuple(axis_names), devices=devices[:needed])
+
+
+def rules_for(role: str) -> Rules:
+    if role not in RULES:
+        raise ValueError(f"sharding role={role!r} is unknown; expected one of {sorted(RULES)}")
+    return RULES[role]
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec, dropping mesh axes of size 1 or reused."""
+    table = dict(rules)
+    used: set[str] = set()
+    spec: list[MeshAxes] = []
+    for name in names:
+        if name is not None and name not in table:
+            raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
+        axes = table.get(name) if name is not None else None
+        if axes is None:
+            spec.append(None)
+            continue
+        axes_tuple = (axes,) if isinstance(axes, str) else tuple(axes)
+        kept = tuple(a for a in axes_tuple if a in mesh.shape and a not in used)
+        used.update(kept)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*spec)
+
+
+def _fits(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+    """Replicates dimensions that the mesh axes do not divide (e.g. 9 heads over 2 devices)."""
+    out = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
+        if axes is None:
+            out.append(None)
+            continue
+        size = int(np.prod([mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+        out.append(axes if dim % size == 0 else None)
+    return PartitionSpec(*out)
+
+
+def logical_axes_of(state: nnx.State) -> nnx.State:
+    """The `logical_axes` metadata of every variable in an NNX state, as a matching tree."""
+    return jax.tree.map(
+        lambda v: v.get_metadata().get("logical_axes"),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+    """NamedShardings for an (abstract) NNX state from its variables' logical axes.
+
+    Every variable must carry `logical_axes`; a missing annotation is an error, not a silent
+    replication.
+    """
+
+    def one(variable):
+        names = variable.get_metadata().get("logical_axes")
+        shape = variable.get_value().shape
+        if names is None or len(names) != len(shape):
+            raise ValueError(f"variable of shape {shape} has logical_axes={names}; need one/dim")
+        spec = _fits(shape, logical_to_spec(names, rules, mesh), mesh)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@contextlib.contextmanager
+def use_sharding(mesh: Mesh, rules: Rules) -> Iterator[ShardingContext]:
+    """Within the block, `constrain` maps logical activation axes onto `mesh` with `rules`."""
+    token = _CONTEXT.set(ShardingContext(mesh, rules))
+    try:
+        yield _CONTEXT.get()
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current() -> ShardingContext | None:
+    return _CONTEXT.get()
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """`with_sharding_constraint` by logical names under `use_sharding`; unsharded otherwise.
+
+    Outside a `use_sharding` block the program is single-device by construction, so there is
+    nothing to constrain.
+    """
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return x
+    spec = _fits(x.shape, logical_to_spec(names, ctx.rules, ctx.mesh), ctx.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
