@@ -1,0 +1,154 @@
+"""Answer extraction, numeric equivalence, format reward and fault-tolerant batch scoring."""
+
+import threading
+import time
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from tlt_jax.rl import rewards
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"so \boxed{42}.", "42"),
+        (r"first \boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),  # last one, nested braces
+        (r"\boxed{ $3.5$ }.", "3.5"),
+        (r"\boxed{x^{2}+1} and later \boxed{oops", "x^{2}+1"),  # unclosed box is skipped
+        (r"\boxed{7} beats #### 8", "7"),  # boxed outranks ####
+        ("Natalia sold 48/2 = 24 clips.\n#### 72", "72"),
+        ("#### 1,000.\n", "1,000"),
+        ("#### 5\nrevised: #### 6", "6"),
+        ("We get 3 apples, then 12.5 pears.", "12.5"),
+        ("pages 3-5", "5"),  # hyphen, not a minus sign
+        ("it drops to -7 degrees", "-7"),
+        ("ratio is 3/4.", "3/4"),
+        ("costs $1,234.50 in total", "1,234.50"),
+        ("no digits here", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert rewards.extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("42", Fraction(42)),
+        ("-3", Fraction(-3)),
+        ("+7", Fraction(7)),
+        ("\u22125", Fraction(-5)),  # unicode minus
+        ("1,234.5", Fraction(2469, 2)),
+        ("1{,}000", Fraction(1000)),
+        ("0.50", Fraction(1, 2)),
+        (".5", Fraction(1, 2)),
+        ("3/4", Fraction(3, 4)),
+        ("-6/4", Fraction(-3, 2)),
+        (r"\frac{3}{4}", Fraction(3, 4)),
+        (r"\dfrac{3}{4}", Fraction(3, 4)),
+        (r"-\tfrac{1}{3}", Fraction(-1, 3)),
+        ("25%", Fraction(25)),  # percent sign dropped, not divided by 100
+        (r"\$5.00", Fraction(5)),
+        ("$18$", Fraction(18)),
+        (r"18 \text{ dollars}", Fraction(18)),
+        ("1,2", None),  # malformed thousands grouping
+        ("1/0", None),
+        ("x+1", None),
+        ("", None),
+        ("-", None),
+    ],
+)
+def test_parse_number(text, expected):
+    assert rewards.parse_number(text) == expected
+
+
+@pytest.mark.parametrize(
+    "prediction, gold, expected",
+    [
+        ("0.5", "1/2", True),
+        (r"\frac{1}{2}", "0.5", True),
+        ("1,000", "1000", True),
+        ("2.50", "2.5", True),
+        ("-3", "-3.0", True),
+        ("-3", "3", False),
+        ("0.333", "1/3", False),  # exact, no tolerance
+        ("72", "72", True),
+        ("71", "72", False),
+        ("Yes", " yes.", True),  # normalised strings
+        (r"\dfrac{x}{2}", r"\frac{x}{2}", True),
+        ("x + 1", "x+1", True),
+        ("x+1", "x+2", False),
+        ("12", "twelve", False),
+        (None, "0", False),
+    ],
+)
+def test_answers_equal(prediction, gold, expected):
+    assert rewards.answers_equal(prediction, gold) is expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"thinking... \boxed{5}", 1.0),
+        ("work\n#### 5", 1.0),
+        ("the answer is 5", 0.0),  # no marker
+        (r"\boxed{5} and \boxed{5}", 0.0),  # two answers
+        (r"\boxed{5}\n#### 5", 0.0),
+        (r"\boxed{}", 0.0),  # empty
+        ("#### ", 0.0),
+    ],
+)
+def test_format_reward(text, expected):
+    assert rewards.format_reward(text) == expected
+
+
+def test_score_batch_by_name_with_format_weight():
+    completions = [r"\boxed{0.5}", "#### 1,000", "it is 7", r"\boxed{3} \boxed{4}"]
+    answers = ["1/2", "1000", "8", "4"]
+    result = rewards.score_batch("math_accuracy", completions, answers, format_weight=0.1)
+    # accuracy [1, 1, 0, 1(last box)] + 0.1 * format [1, 1, 0, 0].
+    np.testing.assert_allclose(result.rewards, [1.1, 1.1, 0.0, 1.0], rtol=1e-6)
+    assert result.rewards.dtype == np.float32
+    np.testing.assert_array_equal(result.correct, [True, True, False, True])
+    assert (result.num_errors, result.num_timeouts) == (0, 0)
+
+
+def test_score_batch_survives_errors_and_timeouts():
+    release = threading.Event()
+
+    def flaky(completion, answer):
+        if completion == "raise":
+            raise RuntimeError("bad reward code")
+        if completion == "hang":
+            release.wait(5.0)  # far past the timeout; released at the end of the test
+        if completion == "nan":
+            return float("nan")
+        return rewards.math_accuracy(completion, answer)
+
+    completions = ["#### 1", "raise", "hang", "#### 2", "nan", "#### 9"]
+    answers = ["1", "1", "1", "2", "1", "3"]
+    start = time.monotonic()
+    result = rewards.score_batch(flaky, completions, answers, timeout_s=0.2)
+    elapsed = time.monotonic() - start
+    release.set()
+    # Samples after the hung one are still scored, by a fresh worker.
+    np.testing.assert_array_equal(result.rewards, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(result.correct, [True, False, False, True, False, False])
+    assert result.num_errors == 2  # the raise and the NaN
+    assert result.num_timeouts == 1
+    assert elapsed < 2.0, elapsed  # waited ~0.2 s for the hang, not the 5 s it would take
+
+
+def test_score_batch_rejects_bad_arguments():
+    with pytest.raises(ValueError, match=r"'nope' is not one of \['format', 'math_accuracy'\]"):
+        rewards.score_batch("nope", ["a"], ["a"])
+    with pytest.raises(ValueError, match="len"):
+        rewards.score_batch("math_accuracy", ["a", "b"], ["a"])
+
+
+def test_score_batch_empty():
+    result = rewards.score_batch("format", [], [])
+    assert result.rewards.shape == (0,) and (result.num_errors, result.num_timeouts) == (0, 0)

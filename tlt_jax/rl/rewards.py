@@ -1,0 +1,284 @@
+"""Verifiable rewards for math reasoning: answer extraction, numeric equivalence, scoring.
+
+A reward function is `fn(completion: str, answer: str) -> float` and is registered by name in
+`REWARD_FUNCTIONS`. `score_batch` runs one over a batch so that a function that raises or hangs
+on one completion costs that completion its reward (0) and nothing else.
+"""
+
+import math
+import queue
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+
+RewardFunction = Callable[[str, str], float]
+
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_HASHES = "####"
+# A plain number: optional sign, digits with optional well-formed thousands groups, optional
+# decimal part; or a bare decimal like ".5". Linear-time (no nested quantifiers).
+_UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+_NUMBER = rf"[-+]?{_UNSIGNED}"
+_NUMBER_RE = re.compile(rf"^{_NUMBER}$")
+# In running text a `-` right after a word or digit is a hyphen or range ("pages 3-5"), not a sign.
+_LAST_NUMBER_RE = re.compile(rf"(?:(?<![\w)])[-+])?{_UNSIGNED}(?:/\d+)?")
+_SLASH_FRACTION_RE = re.compile(rf"^({_NUMBER})/({_NUMBER})$")
+_LATEX_FRACTION_RE = re.compile(r"^([-+]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}$")
+_TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf)\{[^{}]*\}")
+
+
+def _boxed_contents(text: str) -> list[str]:
+    """Contents of every complete `\\boxed{...}` in order, nested braces matched."""
+    contents = []
+    for match in _BOXED_RE.finditer(text):
+        depth, start = 1, match.end()
+        for position in range(start, len(text)):
+            if text[position] == "{":
+                depth += 1
+            elif text[position] == "}":
+                depth -= 1
+                if depth == 0:
+                    contents.append(text[start:position])
+                    break
+    return contents
+
+
+def _hash_answers(text: str) -> list[str]:
+    """The rest of the line after each `####` (GSM8K style), stripped."""
+    answers = []
+    for line in text.splitlines():
+        if _HASHES in line:
+            answers.append(line.rsplit(_HASHES, 1)[1].strip())
+    return answers
+
+
+def _clean(answer: str) -> str:
+    answer = answer.replace("\\$", "").replace("$", "").strip()
+    return answer.rstrip(".").strip()
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a completion, or None if it has none.
+
+    Priority: the last complete `\\boxed{...}` (nested braces kept whole, so
+    `\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`); else the text after the last `####` on its
+    line; else the last number in the text (signs, thousands separators, decimals and `a/b`
+    kept). `$`, a trailing `.` and surrounding spaces are stripped.
+    """
+    boxed = _boxed_contents(text)
+    if boxed:
+        return _clean(boxed[-1])
+    hashes = [answer for answer in _hash_answers(text) if _clean(answer)]
+    if hashes:
+        return _clean(hashes[-1])
+    numbers = _LAST_NUMBER_RE.findall(text)
+    if numbers:
+        return _clean(numbers[-1])
+    return None
+
+
+def _plain_number(text: str) -> Fraction | None:
+    text = text.strip()
+    if not _NUMBER_RE.match(text):
+        return None
+    return Fraction(text.replace(",", ""))
+
+
+def parse_number(text: str) -> Fraction | None:
+    """An exact rational for a numeric answer string, or None if it is not a number.
+
+    Accepts integers, a leading `+` or `-` (also the unicode minus), decimals, well-formed
+    thousands separators (`1,234.5`; `1,2` is rejected as ambiguous), LaTeX `{,}` separators,
+    `a/b` and `\\frac{a}{b}` / `\\dfrac` / `\\tfrac`, surrounding `$`, `\\text{...}` units and
+    spaces. A trailing `%` is dropped, NOT divided by 100: gold answers to "what percent"
+    questions are written as the bare number (`25%` parses as 25). A zero denominator gives None.
+    """
+    text = _TEXT_RE.sub("", text)
+    text = text.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("{,}", ",")
+    text = text.replace("\u2212", "-").replace("\\!", "").replace("\\,", "").replace(" ", "")
+    text = text.removesuffix("%").rstrip(".")
+    if not text:
+        return None
+    try:
+        if (number := _plain_number(text)) is not None:
+            return number
+        if match := _SLASH_FRACTION_RE.match(text):
+            numerator, denominator = match.groups()
+        elif match := _LATEX_FRACTION_RE.match(text):
+            sign, numerator, denominator = match.groups()
+            numerator = sign + numerator
+        else:
+            return None
+        numerator, denominator = _plain_number(numerator), _plain_number(denominator)
+        if numerator is None or denominator is None:
+            return None
+        return numerator / denominator
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _normalize_text(text: str) -> str:
+    text = _clean(text).lower()
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    return "".join(text.split())
+
+
+def answers_equal(prediction: str | None, gold: str) -> bool:
+    """Whether a predicted answer matches the gold one.
+
+    Exact rational equality when both parse as numbers (`0.5 == 1/2`, `1,000 == 1000`,
+    `2.50 == 2.5`); otherwise equality after lower-casing, removing whitespace and `$`, a
+    trailing `.`, and spelling `\\dfrac`/`\\tfrac` as `\\frac`. None never matches.
+    """
+    if prediction is None:
+        return False
+    predicted_number, gold_number = parse_number(prediction), parse_number(gold)
+    if predicted_number is not None and gold_number is not None:
+        return predicted_number == gold_number
+    return _normalize_text(prediction) == _normalize_text(gold)
+
+
+def format_reward(text: str) -> float:
+    """1.0 if the completion states exactly one final answer, else 0.0.
+
+    Final-answer markers are complete `\\boxed{...}` groups and lines containing `####`. The
+    reward is 1.0 only when there is exactly one marker in all and its content is not empty;
+    no marker, an empty `\\boxed{}`, or several answers (even if equal) give 0.0.
+    """
+    answers = _boxed_contents(text) + _hash_answers(text)
+    return 1.0 if len(answers) == 1 and _clean(answers[0]) else 0.0
+
+
+def math_accuracy(completion: str, answer: str) -> float:
+    """1.0 if the extracted final answer equals the gold answer, else 0.0."""
+    return 1.0 if answers_equal(extract_answer(completion), answer) else 0.0
+
+
+def format_only(completion: str, answer: str) -> float:
+    """`format_reward` as a reward function (the gold answer is ignored)."""
+    del answer
+    return format_reward(completion)
+
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {
+    "math_accuracy": math_accuracy,
+    "format": format_only,
+}
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """Scores of one batch.
+
+    Attributes:
+      rewards: [B] float32, task reward + format_weight * format reward; 0 where scoring failed.
+      correct: [B] bool, the task reward (before the format bonus) was > 0.
+      num_errors: completions whose reward function raised or returned a non-finite value.
+      num_timeouts: completions whose reward function ran past the timeout.
+    """
+
+    rewards: np.ndarray
+    correct: np.ndarray
+    num_errors: int
+    num_timeouts: int
+
+
+_OK, _ERROR = "ok", "error"
+
+
+def _score_from(
+    fn: RewardFunction,
+    completions: list[str],
+    answers: list[str],
+    start: int,
+    format_weight: float,
+    results: queue.SimpleQueue,
+) -> None:
+    """Worker loop: scores completions[start:] in order, posting (index, status, task, total)."""
+    for index in range(start, len(completions)):
+        try:
+            task_reward = float(fn(completions[index], answers[index]))
+            if not math.isfinite(task_reward):
+                raise ValueError(f"non-finite reward {task_reward}")
+            total = task_reward + format_weight * format_reward(completions[index])
+            results.put((index, _OK, task_reward, total))
+        except Exception:  # any failure of user code is one errored sample
+            results.put((index, _ERROR, 0.0, 0.0))
+
+
+def score_batch(
+    fn_name_or_callable: str | RewardFunction,
+    completions: list[str],
+    answers: list[str],
+    *,
+    timeout_s: float = 5.0,
+    format_weight: float = 0.0,
+) -> RewardResult:
+    """Scores completions against gold answers; failures and hangs cost only their sample.
+
+    Timeouts use a daemon worker thread that scores the batch sequentially; the caller waits at
+    most `timeout_s` for each completion's result. When one times out, that worker is abandoned
+    (Python cannot kill a thread; it finishes or hangs in the background, and being a daemon it
+    never blocks interpreter exit) and a fresh worker continues with the next completion.
+    Why threads rather than a process pool: reward functions are cheap pure Python and GIL
+    bound, so parallelism buys nothing; a pool adds process start-up and pickling (lambdas and
+    closures fail), and forking a process that has initialised JAX can deadlock. The cost: a
+    function stuck inside C code that holds the GIL (e.g. a catastrophic regex) blocks the caller
+    too until it returns. The extraction regexes here are linear-time.
+
+    Args:
+      fn_name_or_callable: a key of `REWARD_FUNCTIONS` or a `fn(completion, answer) -> float`.
+      completions: [B] model outputs.
+      answers: [B] gold answers, aligned with completions.
+      timeout_s: per-completion time limit in seconds.
+      format_weight: weight of `format_reward` added to each successful task reward.
+
+    Returns:
+      A `RewardResult`.
+    """
+    if isinstance(fn_name_or_callable, str):
+        if fn_name_or_callable not in REWARD_FUNCTIONS:
+            raise ValueError(
+                f"reward function {fn_name_or_callable!r} is not one of {sorted(REWARD_FUNCTIONS)}"
+            )
+        fn = REWARD_FUNCTIONS[fn_name_or_callable]
+    else:
+        fn = fn_name_or_callable
+    if len(completions) != len(answers):
+        raise ValueError(f"{len(completions)=} != {len(answers)=}")
+    if timeout_s <= 0:
+        raise ValueError(f"{timeout_s=} must be > 0")
+
+    count = len(completions)
+    rewards = np.zeros(count, np.float32)
+    correct = np.zeros(count, bool)
+    num_errors = num_timeouts = 0
+    index = 0
+    while index < count:
+        # A fresh queue per worker, so a late result from an abandoned worker is never read.
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(
+            target=_score_from,
+            args=(fn, completions, answers, index, format_weight, results),
+            daemon=True,
+            name="score_batch",
+        ).start()
+        while index < count:
+            try:
+                done_index, status, task_reward, total = results.get(timeout=timeout_s)
+            except queue.Empty:
+                num_timeouts += 1
+                index += 1
+                break  # abandon this worker; the outer loop starts a new one
+            assert done_index == index, (done_index, index)  # one worker posts in order
+            if status == _OK:
+                rewards[index] = total
+                correct[index] = task_reward > 0
+            else:
+                num_errors += 1
+            index += 1
+    return RewardResult(rewards, correct, num_errors, num_timeouts)
