@@ -1,0 +1,286 @@
+"""Procedural integer-arithmetic problems as a TFDS dataset (no downloads, no TensorFlow).
+
+Each example is an expression over integers with a known exact result:
+
+- `level1`: two operands, `+` / `-`, operands in [0, 999].
+- `level2`: three operands, `+` / `-` / `*`, parentheses where the tree needs them.
+- `level3`: four or five operands, nested parentheses, operands up to 9,999.
+- `mixed`: each example picks one of the three levels uniformly.
+
+Generation is deterministic: every (config seed, split) has its own fixed
+`numpy.random.default_rng` stream. The test split is drawn first; train skips any expression
+already in test, and no split repeats an expression, so held-out problems never leak.
+
+Importing this module registers the builder as `arithmetic` with TFDS, so
+`tfds.data_source("arithmetic/level2", data_dir=..., builder_kwargs={"file_format":
+"array_record"})` works. Importing it twice under different module names would register twice;
+import it as `tlt_jax.data.arithmetic` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+import tensorflow_datasets as tfds
+from etils import epath
+
+LEVELS = (1, 2, 3)
+LEVEL_NAMES = ("level1", "level2", "level3", "mixed")
+_SPLIT_STREAM = {"test": 0, "train": 1}
+_TEMPLATES = ("What is {expr}?", "Compute {expr}.", "Evaluate {expr}.", "Calculate {expr}.")
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class _LevelSpec:
+    """How one difficulty level draws its expressions."""
+
+    num_operands: tuple[int, ...]  # allowed operand counts
+    operators: tuple[str, ...]
+    additive_range: tuple[int, int]  # inclusive range of leaves under + / -
+    multiplicative_range: tuple[int, int]  # inclusive range of leaves directly under *
+    max_abs_result: int  # redraw expressions whose result (or any partial) is larger
+
+
+_LEVEL_SPECS = {
+    1: _LevelSpec((2,), ("+", "-"), (0, 999), (0, 0), 10_000),
+    2: _LevelSpec((3,), ("+", "-", "*"), (1, 99), (2, 20), 10_000),
+    3: _LevelSpec((4, 5), ("+", "-", "*"), (10, 9_999), (2, 99), 1_000_000),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Node:
+    """Binary expression tree; a leaf has `operator == ""` and holds `value`."""
+
+    value: int
+    operator: str = ""
+    left: _Node | None = None
+    right: _Node | None = None
+
+
+def _render(node: _Node) -> str:
+    """Renders `node` with the fewest parentheses that keep its meaning."""
+    if not node.operator:
+        return str(node.value)
+    precedence = _PRECEDENCE[node.operator]
+
+    def child(sub: _Node, is_right: bool) -> str:
+        text = _render(sub)
+        if not sub.operator:
+            return text
+        sub_precedence = _PRECEDENCE[sub.operator]
+        # a - (b + c) and a * (b - c) need parentheses; a + (b - c) and a * (b * c) do not.
+        needs = sub_precedence < precedence or (
+            is_right and sub_precedence == precedence and node.operator == "-"
+        )
+        return f"({text})" if needs else text
+
+    return f"{child(node.left, False)} {node.operator} {child(node.right, True)}"
+
+
+def _draw_tree(
+    rng: np.random.Generator, spec: _LevelSpec, num_leaves: int, under_product: bool
+) -> _Node:
+    """Draws a random tree with `num_leaves` leaves; partial results must stay bounded."""
+    if num_leaves == 1:
+        low, high = spec.multiplicative_range if under_product else spec.additive_range
+        return _Node(int(rng.integers(low, high + 1)))
+    operator = str(rng.choice(spec.operators))
+    left_leaves = int(rng.integers(1, num_leaves))
+    product = operator == "*"
+    left = _draw_tree(rng, spec, left_leaves, product)
+    right = _draw_tree(rng, spec, num_leaves - left_leaves, product)
+    value = {"+": left.value + right.value, "-": left.value - right.value}.get(
+        operator, left.value * right.value
+    )
+    return _Node(value, operator, left, right)
+
+
+def _within_bounds(node: _Node, limit: int) -> bool:
+    """Whether every partial result in `node` has absolute value at most `limit`."""
+    if abs(node.value) > limit:
+        return False
+    if not node.operator:
+        return True
+    return _within_bounds(node.left, limit) and _within_bounds(node.right, limit)
+
+
+def make_problem(rng: np.random.Generator, level: int) -> tuple[str, str, int]:
+    """Draws one problem of the given level.
+
+    Args:
+      rng: the generator to draw from (advanced in place).
+      level: difficulty, one of `LEVELS`.
+
+    Returns:
+      `(question, expression, result)`: the question text, the expression it asks about, and
+      the exact integer value of that expression.
+    """
+    if level not in _LEVEL_SPECS:
+        raise ValueError(f"level={level!r} is not one of {LEVELS}")
+    spec = _LEVEL_SPECS[level]
+    while True:
+        num_leaves = int(rng.choice(spec.num_operands))
+        tree = _draw_tree(rng, spec, num_leaves, under_product=False)
+        if _within_bounds(tree, spec.max_abs_result):
+            break
+    expression = _render(tree)
+    template = _TEMPLATES[int(rng.integers(len(_TEMPLATES)))]
+    return template.format(expr=expression), expression, tree.value
+
+
+def generate_split(
+    levels: tuple[int, ...], num_examples: int, seed: int, split: str, exclude: frozenset[str]
+) -> tuple[list[dict], frozenset[str]]:
+    """Draws `num_examples` problems with distinct expressions, none of them in `exclude`.
+
+    Expressions, not question texts, are compared: "What is 3 + 4?" and "Compute 3 + 4." are
+    the same problem.
+
+    Args:
+      levels: the levels to draw from; each example picks one uniformly.
+      num_examples: how many examples to return.
+      seed: the base seed; the split name selects a separate stream from it.
+      split: `"train"` or `"test"`.
+      exclude: expressions that must not appear (the test ones, when drawing train).
+
+    Returns:
+      `(examples, expressions)`: examples `{"question": str, "answer": str, "level": int}` in
+      generation order, and the set of their expressions.
+    """
+    if split not in _SPLIT_STREAM:
+        raise ValueError(f"split={split!r} is not one of {tuple(_SPLIT_STREAM)}")
+    rng = np.random.default_rng([seed, _SPLIT_STREAM[split]])
+    seen: set[str] = set()
+    examples: list[dict] = []
+    # Distinct problems are plentiful at every level; the cap only stops a config that
+    # asks for more distinct problems than a level can produce from looping forever.
+    max_draws = 20 * num_examples + 1000
+    for _ in range(max_draws):
+        if len(examples) == num_examples:
+            break
+        level = levels[int(rng.integers(len(levels)))]
+        question, expression, result = make_problem(rng, level)
+        if expression in seen or expression in exclude:
+            continue
+        seen.add(expression)
+        examples.append({"question": question, "answer": str(result), "level": level})
+    if len(examples) < num_examples:
+        raise ValueError(
+            f"could only draw {len(examples)} distinct problems for {split=} at {levels=}, "
+            f"{num_examples=} requested; lower the split size"
+        )
+    return examples, frozenset(seen)
+
+
+@dataclasses.dataclass
+class ArithmeticConfig(tfds.core.BuilderConfig):
+    """Which levels to draw and how many examples per split.
+
+    Attributes:
+      levels: difficulty levels, each in `LEVELS`.
+      num_train: examples in the `train` split.
+      num_test: examples in the `test` split.
+      seed: base seed of the procedural generator.
+    """
+
+    levels: tuple[int, ...] = (1,)
+    num_train: int = 20_000
+    num_test: int = 500
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [level for level in self.levels if level not in LEVELS]
+        if not self.levels or bad:
+            raise ValueError(f"ArithmeticConfig.levels={self.levels!r}: each must be in {LEVELS}")
+        for field in ("num_train", "num_test"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"ArithmeticConfig.{field}={getattr(self, field)} must be > 0")
+
+
+_DEFAULT_SIZES = {"num_train": 20_000, "num_test": 500, "seed": 0}
+
+
+def _config_for(level: str, num_train: int, num_test: int, seed: int) -> ArithmeticConfig:
+    levels = LEVELS if level == "mixed" else (int(level.removeprefix("level")),)
+    name = level
+    if {"num_train": num_train, "num_test": num_test, "seed": seed} != _DEFAULT_SIZES:
+        name = f"{level}_train{num_train}_test{num_test}_seed{seed}"
+    return ArithmeticConfig(
+        name=name,
+        description=f"levels {levels}, {num_train} train / {num_test} test, seed {seed}",
+        levels=levels,
+        num_train=num_train,
+        num_test=num_test,
+        seed=seed,
+    )
+
+
+_STANDARD_CONFIGS = {level: _config_for(level, **_DEFAULT_SIZES) for level in LEVEL_NAMES}
+
+
+def make_config(
+    level: str, *, num_train: int = 20_000, num_test: int = 500, seed: int = 0
+) -> ArithmeticConfig:
+    """Returns the config for a named level, with custom sizes if asked.
+
+    Args:
+      level: one of `LEVEL_NAMES` (`"level1"`, `"level2"`, `"level3"`, `"mixed"`).
+      num_train: examples in `train`.
+      num_test: examples in `test`.
+      seed: base seed of the generator.
+
+    Returns:
+      The registered config when the sizes and seed are the defaults (TFDS rejects a new
+      object under a registered name); otherwise a custom config whose name records sizes and
+      seed, so differently sized builds get different cache folders.
+    """
+    if level not in LEVEL_NAMES:
+        raise ValueError(f"level={level!r} is not one of {LEVEL_NAMES}")
+    if {"num_train": num_train, "num_test": num_test, "seed": seed} == _DEFAULT_SIZES:
+        return _STANDARD_CONFIGS[level]
+    return _config_for(level, num_train, num_test, seed)
+
+
+class Arithmetic(tfds.core.GeneratorBasedBuilder):
+    """Procedural integer arithmetic; the answer is the exact result as a decimal string."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    BUILDER_CONFIGS = list(_STANDARD_CONFIGS.values())
+    DEFAULT_CONFIG_NAME = "mixed"
+    # TFDS derives this through `importlib_resources`, which it does not declare as a dependency
+    # on Python >= 3.9; setting it avoids that import (TFDS looks for `checksums.tsv` beside it).
+    code_path = epath.Path(__file__)
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        # `dataset_info_from_configs` would read README/CITATIONS files next to this module.
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=__doc__.split("\n\n", 1)[0],
+            features=tfds.features.FeaturesDict(
+                {
+                    "question": tfds.features.Text(),
+                    "answer": tfds.features.Text(),
+                    "level": np.int32,
+                }
+            ),
+            supervised_keys=None,
+        )
+
+    def _split_generators(self, dl_manager: tfds.download.DownloadManager) -> dict:
+        del dl_manager  # nothing to download
+        config = self.builder_config
+        test, test_expressions = generate_split(
+            config.levels, config.num_test, config.seed, "test", frozenset()
+        )
+        train, _ = generate_split(
+            config.levels, config.num_train, config.seed, "train", test_expressions
+        )
+        return {"train": self._generate_examples(train), "test": self._generate_examples(test)}
+
+    def _generate_examples(self, examples: list[dict]) -> Iterator[tuple[int, dict]]:
+        yield from enumerate(examples)

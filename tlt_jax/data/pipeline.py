@@ -1,0 +1,304 @@
+"""Prompt data for RL: TFDS splits read without TensorFlow, prompt rendering, resumable batches.
+
+Datasets are built by TFDS `GeneratorBasedBuilder`s (`arithmetic`, `gsm8k`) into
+`array_record` files and read back through `as_data_source` (what `tfds.data_source` returns):
+random access in pure Python, so TensorFlow is never imported. The default `tfrecord` format
+would need TensorFlow to write, which is why `file_format="array_record"` is always passed.
+
+`PromptIterator` walks a split in fixed-size batches, reshuffling each epoch with
+`numpy.random.default_rng(seed + epoch)`; its position `{"epoch", "index"}` is JSON-serialisable
+for checkpoints, and restoring it replays exactly the batches that would have come next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from tlt_jax.data import arithmetic, gsm8k
+
+DEFAULT_INSTRUCTION = "Solve the problem step by step and put the final answer in \\boxed{}."
+DATASET_NAMES = ("arithmetic", "gsm8k")
+SPLITS = ("train", "test")
+_BUILDERS: dict[str, type[tfds.core.GeneratorBasedBuilder]] = {
+    "arithmetic": arithmetic.Arithmetic,
+    "gsm8k": gsm8k.Gsm8k,
+}
+
+
+def _to_python(value: Any) -> Any:
+    """Decodes what the data source returns: Text features as bytes, scalars as numpy."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def load_split(
+    name: str,
+    split: str,
+    *,
+    data_dir: str | os.PathLike,
+    manual_dir: str | os.PathLike | None = None,
+    **builder_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Builds a dataset once (as array_record) and reads one split back, without TensorFlow.
+
+    Args:
+      name: one of `DATASET_NAMES`.
+      split: one of `SPLITS`.
+      data_dir: where TFDS writes and caches the built dataset (a run's workdir or a cache).
+      manual_dir: for `gsm8k`, the folder with `train.jsonl` / `test.jsonl`; checked before
+        anything is built. Unused by `arithmetic`.
+      **builder_kwargs: passed to the builder, e.g. `config=arithmetic.make_config("level2")`
+        or `config="level2"`.
+
+    Returns:
+      The split's examples as dicts of Python values (`str` for text, `int` for `level`), in
+      the fixed order TFDS stored them.
+    """
+    if name not in DATASET_NAMES:
+        raise ValueError(f"dataset name={name!r} is not one of {DATASET_NAMES}")
+    if split not in SPLITS:
+        raise ValueError(f"{split=} is not one of {SPLITS}")
+    download_config = tfds.download.DownloadConfig()
+    if name == "gsm8k":
+        folder = gsm8k.check_manual_dir(manual_dir)
+        download_config = tfds.download.DownloadConfig(manual_dir=os.fspath(folder))
+        builder_kwargs.setdefault("config", gsm8k.config_for_files(folder))
+    builder = _BUILDERS[name](
+        data_dir=os.path.expanduser(os.fspath(data_dir)),
+        file_format="array_record",
+        **builder_kwargs,
+    )
+    # A no-op when the build is already in data_dir.
+    builder.download_and_prepare(download_config=download_config, file_format="array_record")
+    source = builder.as_data_source(split=split)
+    records = source.__getitems__(range(len(source)))
+    return [{key: _to_python(value) for key, value in record.items()} for record in records]
+
+
+class ChatTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer that prompt rendering uses."""
+
+    chat_template: str | None
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        *,
+        tokenize: bool,
+        add_generation_prompt: bool,
+    ) -> Any: ...
+
+
+def render_prompt(
+    tokenizer: ChatTokenizer | None,
+    question: str,
+    *,
+    instruction: str = DEFAULT_INSTRUCTION,
+    use_chat_template: bool = True,
+) -> str:
+    """Turns a question into the text a policy model is prompted with.
+
+    Args:
+      tokenizer: a tokenizer with an optional chat template; `None` for plain text.
+      question: the problem statement.
+      instruction: appended after a blank line; `""` leaves the question alone.
+      use_chat_template: wrap the text as one user turn with the tokenizer's chat template
+        (ending in the assistant generation prompt) when it has one.
+
+    Returns:
+      The prompt text (not yet tokenised).
+    """
+    content = f"{question.strip()}\n\n{instruction}" if instruction else question.strip()
+    if not use_chat_template or tokenizer is None or not tokenizer.chat_template:
+        return content
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    if not isinstance(rendered, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}")
+    return rendered
+
+
+class PromptIterator:
+    """Endless, deterministic batches of examples that can resume from a saved position.
+
+    Epoch `e` visits the examples in the order `default_rng(seed + e).permutation(n)` (or in
+    stored order when `shuffle=False`). Batches run across epoch boundaries, so every batch
+    has exactly `batch_size` examples.
+    """
+
+    def __init__(
+        self, examples: Sequence[dict], batch_size: int, *, seed: int = 0, shuffle: bool = True
+    ) -> None:
+        """Starts at epoch 0, index 0.
+
+        Args:
+          examples: the split, with random access (a list or a data source).
+          batch_size: examples per batch, at least 1.
+          seed: shuffle seed, at least 0; epoch `e` uses `seed + e`.
+          shuffle: whether to permute each epoch.
+        """
+        if len(examples) == 0:
+            raise ValueError("PromptIterator needs at least one example; got an empty split")
+        if batch_size < 1:
+            raise ValueError(f"{batch_size=} must be >= 1")
+        if seed < 0:
+            raise ValueError(f"{seed=} must be >= 0 (numpy seeds are non-negative)")
+        self._examples = examples
+        self._batch_size = batch_size
+        self._seed = seed
+        self._shuffle = shuffle
+        self._epoch = 0
+        self._index = 0
+        self._order_epoch = -1
+        self._order = np.arange(0)
+
+    def _order_for(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            n = len(self._examples)
+            self._order = (
+                np.random.default_rng(self._seed + epoch).permutation(n)
+                if self._shuffle
+                else np.arange(n)
+            )
+            self._order_epoch = epoch
+        return self._order
+
+    def __iter__(self) -> PromptIterator:
+        return self
+
+    def __next__(self) -> list[dict]:
+        batch = []
+        while len(batch) < self._batch_size:
+            if self._index == len(self._examples):
+                self._epoch += 1
+                self._index = 0
+            batch.append(self._examples[int(self._order_for(self._epoch)[self._index])])
+            self._index += 1
+        return batch
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next example comes from (before a boundary is crossed)."""
+        return self._epoch
+
+    def state(self) -> dict[str, int]:
+        """Returns the position, `{"epoch": int, "index": int}` (JSON-serialisable)."""
+        return {"epoch": self._epoch, "index": self._index}
+
+    def restore(self, state: Mapping[str, int]) -> None:
+        """Moves to a position returned by `state()` (of an iterator over the same split).
+
+        Args:
+          state: `{"epoch": int >= 0, "index": int in [0, len(examples)]}`; numpy or 0-d array
+            integers (as an orbax checkpoint may return) are accepted.
+        """
+        if set(state) != {"epoch", "index"}:
+            raise ValueError(f"state keys {sorted(state)} must be exactly ['epoch', 'index']")
+        epoch, index = (int(np.asarray(state[key]).item()) for key in ("epoch", "index"))
+        if epoch < 0:
+            raise ValueError(f"state epoch={epoch} must be >= 0")
+        if not 0 <= index <= len(self._examples):
+            raise ValueError(f"state index={index} must be in [0, {len(self._examples)}]")
+        self._epoch, self._index = epoch, index
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Which prompts to train and evaluate on, and how to render them.
+
+    Attributes:
+      name: dataset, one of `DATASET_NAMES`.
+      data_dir: `gsm8k` only: the folder with `train.jsonl` / `test.jsonl`
+        (flag `--config.data.data_dir`).
+      cache_dir: where TFDS writes built datasets.
+      level: `arithmetic` only: one of `arithmetic.LEVEL_NAMES`.
+      num_train: `arithmetic` only: size of the generated train split.
+      num_test: `arithmetic` only: size of the generated test split.
+      instruction: appended to every question.
+      use_chat_template: render prompts with the tokenizer's chat template when it has one.
+      seed: shuffle seed of the train iterator.
+      train_split: split the policy trains on.
+      eval_split: held-out split for evaluation.
+    """
+
+    name: str = "arithmetic"
+    data_dir: str | None = None
+    cache_dir: str = "~/.cache/tlt_jax/tfds"
+    level: str = "mixed"
+    num_train: int = 20_000
+    num_test: int = 500
+    instruction: str = DEFAULT_INSTRUCTION
+    use_chat_template: bool = True
+    seed: int = 0
+    train_split: str = "train"
+    eval_split: str = "test"
+
+    def __post_init__(self) -> None:
+        if self.name not in DATASET_NAMES:
+            raise ValueError(f"DataConfig.name={self.name!r} is not one of {DATASET_NAMES}")
+        if self.name == "gsm8k" and not self.data_dir:
+            raise ValueError(
+                f"DataConfig.data_dir={self.data_dir!r}: gsm8k needs the folder with "
+                f"{' and '.join(gsm8k.SPLIT_FILES.values())}; set {gsm8k.DATA_DIR_FLAG}"
+            )
+        if self.level not in arithmetic.LEVEL_NAMES:
+            raise ValueError(
+                f"DataConfig.level={self.level!r} is not one of {arithmetic.LEVEL_NAMES}"
+            )
+        for field in ("num_train", "num_test"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"DataConfig.{field}={getattr(self, field)} must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"DataConfig.seed={self.seed} must be >= 0")
+        for field in ("train_split", "eval_split"):
+            if getattr(self, field) not in SPLITS:
+                raise ValueError(
+                    f"DataConfig.{field}={getattr(self, field)!r} is not one of {SPLITS}"
+                )
+
+
+def load_data(config: DataConfig, split: str) -> list[dict[str, Any]]:
+    """Loads one split of the dataset a `DataConfig` names.
+
+    Args:
+      config: the data config.
+      split: one of `SPLITS`.
+
+    Returns:
+      The examples, as from `load_split`.
+    """
+    builder_kwargs: dict[str, Any] = {}
+    if config.name == "arithmetic":
+        builder_kwargs["config"] = arithmetic.make_config(
+            config.level, num_train=config.num_train, num_test=config.num_test
+        )
+    return load_split(
+        config.name,
+        split,
+        data_dir=config.cache_dir,
+        manual_dir=config.data_dir,
+        **builder_kwargs,
+    )
+
+
+def make_prompt_iterator(config: DataConfig, batch_size: int) -> PromptIterator:
+    """The train-split iterator of a `DataConfig`.
+
+    Args:
+      config: the data config (dataset, split and shuffle seed).
+      batch_size: prompts per batch.
+
+    Returns:
+      A `PromptIterator` at epoch 0, index 0.
+    """
+    return PromptIterator(load_data(config, config.train_split), batch_size, seed=config.seed)
