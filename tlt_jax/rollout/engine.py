@@ -1,0 +1,453 @@
+"""Continuous-batching rollout engine: request queue, slots, bucketed prefill and decode.
+
+Dimension legend: B batch (slots), P prompt length, S kv length, V vocab.
+
+Slots are kept compact: the running requests always occupy slots `[0, n)`. A decode step
+runs over the first `batch_bucket(n)` slots and the first `kv_bucket(max_len + 1)` cache
+positions, so its cost follows the real batch and context. When a request finishes the
+last running slot moves into its place (copying only the live part of its cache), and queued
+requests are prefilled into the free slots before the next step.
+
+Every device program is compiled ahead of time once per static shape key and kept in the
+engine's executable pool; steady-state generation never traces. `EngineStats` reports the
+compile count and compile seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from tlt_jax.models.transformer import KVCache, Transformer, write_kv
+from tlt_jax.rollout.sampling import SamplingParams, choose_tokens
+
+# Bumped inside traced functions, so it counts traces (tests prove no retracing).
+TRACE_COUNTS: dict[str, int] = {}
+
+
+def _count_trace(name: str) -> None:
+    TRACE_COUNTS[name] = TRACE_COUNTS.get(name, 0) + 1
+
+
+def power_of_two_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
+    """minimum, 2*minimum, ... capped by (and always including) maximum."""
+    out, b = [], max(1, minimum)
+    while b < maximum:
+        out.append(b)
+        b *= 2
+    out.append(maximum)
+    return tuple(out)
+
+
+def bucket_for(value: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if value <= b:
+            return b
+    raise ValueError(f"{value=} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static sizes of the engine. All programs are compiled for buckets of these."""
+
+    max_batch_size: int = 32
+    max_seq_len: int = 2048
+    max_prefill_batch: int = 8
+    min_kv_bucket: int = 128
+    min_prompt_bucket: int = 16
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "max_seq_len", "max_prefill_batch", "min_kv_bucket",
+                     "min_prompt_bucket"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"engine.{name}={value!r} must be a positive integer")
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        return power_of_two_buckets(1, self.max_batch_size)
+
+    @property
+    def kv_buckets(self) -> tuple[int, ...]:
+        return power_of_two_buckets(min(self.min_kv_bucket, self.max_seq_len), self.max_seq_len)
+
+    @property
+    def prompt_buckets(self) -> tuple[int, ...]:
+        return power_of_two_buckets(min(self.min_prompt_bucket, self.max_seq_len), self.max_seq_len)
+
+    @property
+    def prefill_batch_buckets(self) -> tuple[int, ...]:
+        return power_of_two_buckets(1, min(self.max_prefill_batch, self.max_batch_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request. Validated on construction, before anything compiles."""
+
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids is empty; a request needs at least one prompt token")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
+
+
+@dataclasses.dataclass
+class Completion:
+    """The result of one request, in the order the requests were given."""
+
+    index: int
+    prompt_ids: tuple[int, ...]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = ""  # "stop" (a stop token was emitted, and kept) or "length"
+    accepted_lengths: list[int] = dataclasses.field(default_factory=list)
+    submit_time: float = 0.0
+    first_token_time: float = 0.0
+    finish_time: float = 0.0
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_time - self.submit_time
+
+
+@dataclasses.dataclass
+class EngineStats:
+    compile_count: int = 0
+    compile_seconds: float = 0.0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    # (wall time since generate() started, running requests) after every decode step.
+    timeline: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything a decode step reads and writes; donated to every program."""
+
+    cache: KVCache  # k, v: [L, Bmax, Smax, K, H]
+    lengths: jax.Array  # [Bmax] int32, tokens in the cache (= position of last_token)
+    last_token: jax.Array  # [Bmax] int32, the token fed to the next step
+    temperature: jax.Array  # [Bmax] float32
+    top_k: jax.Array  # [Bmax] int32
+    top_p: jax.Array  # [Bmax] float32
+    keys: jax.Array  # [Bmax] typed PRNG keys, one stream per request
+
+    @classmethod
+    def create(cls, config, max_batch: int, max_len: int) -> DecodeState:
+        return cls(
+            cache=KVCache.zeros(config, max_batch, max_len),
+            lengths=jnp.zeros((max_batch,), jnp.int32),
+            last_token=jnp.zeros((max_batch,), jnp.int32),
+            temperature=jnp.zeros((max_batch,), jnp.float32),
+            top_k=jnp.zeros((max_batch,), jnp.int32),
+            top_p=jnp.ones((max_batch,), jnp.float32),
+            keys=jax.random.split(jax.random.key(0), max_batch),
+        )
+
+
+def _step_keys(keys_B: jax.Array, positions_B: jax.Array) -> jax.Array:
+    # A request's randomness depends only on its seed and position, not on its batch-mates.
+    return jax.vmap(jax.random.fold_in)(keys_B, positions_B)
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+def _prefill(graphdef, params, state: DecodeState, tokens_BxP, prompt_lens_B, slots_B,
+             temperature_B, top_k_B, top_p_B, seeds_B, *, greedy_only: bool):  # fmt: skip
+    """Runs prompts (right-padded) and writes their cache into `slots_B` (Bmax = unused row)."""
+    _count_trace("prefill")
+    model = nnx.merge(graphdef, params)
+    b, p = tokens_BxP.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    features, new = model(tokens_BxP, positions)
+    last = jnp.take_along_axis(features, (prompt_lens_B - 1)[:, None, None], axis=1)
+    logits = model.logits(last)[:, 0]
+    keys = jax.vmap(jax.random.key)(seeds_B)
+    step_keys = _step_keys(keys, prompt_lens_B)
+    tokens, logprobs = choose_tokens(
+        logits, temperature_B, top_k_B, top_p_B, step_keys, greedy_only=greedy_only
+    )
+    cache = state.cache
+    cache = KVCache(
+        k=cache.k.at[:, slots_B, :p].set(new.k.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, slots_B, :p].set(new.v.astype(cache.v.dtype), mode="drop"),
+    )
+
+    def put(arr, values):
+        return arr.at[slots_B].set(values, mode="drop")
+
+    state = DecodeState(
+        cache=cache,
+        lengths=put(state.lengths, prompt_lens_B),
+        last_token=put(state.last_token, tokens),
+        temperature=put(state.temperature, temperature_B),
+        top_k=put(state.top_k, top_k_B),
+        top_p=put(state.top_p, top_p_B),
+        keys=put(state.keys, keys),
+    )
+    return state, tokens, logprobs
+
+
+def _decode(graphdef, params, state: DecodeState, *, batch: int, kv_len: int, greedy_only: bool):
+    """One token for slots [0, batch) attending to cache positions [0, kv_len)."""
+    _count_trace("decode")
+    model = nnx.merge(graphdef, params)
+    lengths = state.lengths[:batch]
+    tokens_in = state.last_token[:batch, None]
+    features, new = model(tokens_in, lengths[:, None], cache=state.cache.view(batch, kv_len),
+                          cache_lens_B=lengths)  # fmt: skip
+    logits = model.logits(features)[:, 0]
+    tokens, logprobs = choose_tokens(
+        logits, state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
+        _step_keys(state.keys[:batch], lengths + 1), greedy_only=greedy_only,
+    )  # fmt: skip
+    state = state.replace(
+        cache=write_kv(state.cache, new, lengths),
+        lengths=state.lengths.at[:batch].add(1),
+        last_token=state.last_token.at[:batch].set(tokens),
+    )
+    return state, tokens, logprobs
+
+
+def _move_slot(state: DecodeState, src, dst, *, kv_len: int):
+    """Copies slot `src` (its first kv_len positions and scalars) into slot `dst`."""
+    _count_trace("move_slot")
+
+    def move_cache(arr):
+        row = jax.lax.dynamic_slice_in_dim(arr, src, 1, axis=1)[:, :, :kv_len]
+        return jax.lax.dynamic_update_slice(arr, row, (0, dst, 0, 0, 0))
+
+    def move(arr):
+        return arr.at[dst].set(arr[src])
+
+    return DecodeState(
+        cache=KVCache(k=move_cache(state.cache.k), v=move_cache(state.cache.v)),
+        lengths=move(state.lengths),
+        last_token=move(state.last_token),
+        temperature=move(state.temperature),
+        top_k=move(state.top_k),
+        top_p=move(state.top_p),
+        keys=move(state.keys),
+    )
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+@dataclasses.dataclass
+class _Running:
+    index: int
+    request: Request
+    completion: Completion
+
+
+class RolloutEngine:
+    """Generates completions for many requests with continuous batching.
+
+    The engine owns the decode state and an executable pool; the policy's weights are a
+    separate pytree swapped through `update_params` (checked: same structure, shapes, dtypes
+    and shardings), so a weight sync never recompiles.
+    """
+
+    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig()):
+        self.model_config = model.config
+        self.config = config
+        if config.max_seq_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"engine.max_seq_len={config.max_seq_len} exceeds the model's "
+                f"max_position_embeddings={model.config.max_position_embeddings}"
+            )
+        self.graphdef, self.params = nnx.split(model)
+        self.stats = EngineStats()
+        self._pool: dict[tuple, Callable] = {}
+        self.state = DecodeState.create(model.config, config.max_batch_size, config.max_seq_len)
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def update_params(self, params: nnx.State) -> None:
+        """Swaps in new policy weights after checking they match the compiled programs."""
+        from tlt_jax.rl.weight_sync import check_compatible
+
+        check_compatible(self.params, params)
+        self.params = params
+
+    # -- executable pool -------------------------------------------------------------------
+
+    def _program(self, key: tuple, fn: Callable, *args, donate: tuple[int, ...] = ()):
+        program = self._pool.get(key)
+        if program is None:
+            start = time.perf_counter()
+            program = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            self.stats.compile_seconds += time.perf_counter() - start
+            self.stats.compile_count += 1
+            self._pool[key] = program
+        return program
+
+    def _run_prefill(self, batch: list[_Running], slots: list[int]) -> tuple[np.ndarray, ...]:
+        cfg = self.config
+        b = bucket_for(len(batch), cfg.prefill_batch_buckets)
+        p = bucket_for(max(len(r.request.prompt_ids) for r in batch), cfg.prompt_buckets)
+        tokens = np.zeros((b, p), np.int32)
+        lens = np.ones((b,), np.int32)
+        slot_ids = np.full((b,), cfg.max_batch_size, np.int32)  # out of range: dropped
+        temperature = np.zeros((b,), np.float32)
+        top_k = np.zeros((b,), np.int32)
+        top_p = np.ones((b,), np.float32)
+        seeds = np.zeros((b,), np.uint32)
+        for i, (run, slot) in enumerate(zip(batch, slots, strict=True)):
+            prompt = run.request.prompt_ids
+            tokens[i, : len(prompt)] = prompt
+            lens[i], slot_ids[i] = len(prompt), slot
+            s = run.request.sampling
+            temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+            seeds[i] = np.uint32(run.request.seed & 0xFFFFFFFF)
+        greedy = bool(np.all(temperature == 0))
+        args = (self.params, self.state, tokens, lens, slot_ids, temperature, top_k, top_p, seeds)
+        fn = functools.partial(_prefill, self.graphdef, greedy_only=greedy)
+        program = self._program(("prefill", b, p, greedy), fn, *args, donate=(1,))
+        self.state, next_tokens, logprobs = program(*args)
+        self.stats.prefill_steps += 1
+        return np.asarray(next_tokens), np.asarray(logprobs)
+
+    def _run_decode(self, running: list[_Running], max_len: int):
+        cfg = self.config
+        b = bucket_for(len(running), cfg.batch_buckets)
+        s = bucket_for(max_len + 1, cfg.kv_buckets)
+        greedy = all(r.request.sampling.greedy for r in running)
+        fn = functools.partial(_decode, self.graphdef, batch=b, kv_len=s, greedy_only=greedy)
+        program = self._program(("decode", b, s, greedy), fn, self.params, self.state, donate=(1,))
+        self.state, tokens, logprobs = program(self.params, self.state)
+        self.stats.decode_steps += 1
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    def _move(self, src: int, dst: int, kv_len: int) -> None:
+        s = bucket_for(kv_len, self.config.kv_buckets)
+        fn = functools.partial(_move_slot, kv_len=s)
+        src_a, dst_a = np.int32(src), np.int32(dst)
+        program = self._program(("move", s), fn, self.state, src_a, dst_a, donate=(0,))
+        self.state = program(self.state, src_a, dst_a)
+
+    # -- generation ------------------------------------------------------------------------
+
+    def validate(self, requests: Sequence[Request]) -> None:
+        """Checks every request against the engine's sizes (before anything compiles)."""
+        vocab = self.model_config.vocab_size
+        for i, req in enumerate(requests):
+            if not isinstance(req, Request):
+                raise TypeError(f"requests[{i}] is {type(req).__name__}; expected Request")
+            total = len(req.prompt_ids) + req.max_new_tokens
+            if total > self.config.max_seq_len:
+                raise ValueError(
+                    f"requests[{i}]: prompt length {len(req.prompt_ids)} + max_new_tokens "
+                    f"{req.max_new_tokens} = {total} exceeds the context length "
+                    f"max_seq_len={self.config.max_seq_len}"
+                )
+            bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"requests[{i}]: token ids {bad[:5]} outside [0, {vocab})")
+
+    def generate(self, requests: Sequence[Request], *, progress: bool | None = None
+                 ) -> list[Completion]:  # fmt: skip
+        """Runs all requests to completion; returns completions in input order.
+
+        Args:
+          requests: the requests; validated before any device work.
+          progress: show a progress bar (default: when stderr is a terminal).
+        """
+        self.validate(requests)
+        cfg = self.config
+        start = time.perf_counter()
+        queue = deque(
+            _Running(i, r, Completion(i, r.prompt_ids, [], [], submit_time=start))
+            for i, r in enumerate(requests)
+        )  # fmt: skip
+        running: list[_Running] = []  # slot i holds running[i]
+        done: list[Completion | None] = [None] * len(requests)
+        bar = _progress_bar(len(requests), progress)
+        self.stats.timeline = []
+        while queue or running:
+            # Admit queued requests into free slots, one prefill per group.
+            while queue and len(running) < cfg.max_batch_size:
+                room = min(cfg.max_batch_size - len(running), cfg.max_prefill_batch)
+                batch = [queue.popleft() for _ in range(min(room, len(queue)))]
+                slots = list(range(len(running), len(running) + len(batch)))
+                tokens, logprobs = self._run_prefill(batch, slots)
+                now = time.perf_counter()
+                for run, tok, lp in zip(batch, tokens, logprobs, strict=False):
+                    run.completion.first_token_time = now
+                    running.append(run)
+                    self._emit(run, int(tok), float(lp))
+                running = self._retire(running, done, now, bar)
+            if not running:
+                continue
+            max_len = max(len(r.request.prompt_ids) + len(r.completion.token_ids) - 1
+                          for r in running)  # fmt: skip
+            tokens, logprobs = self._run_decode(running, max_len)
+            now = time.perf_counter()
+            for i, run in enumerate(running):
+                self._emit(run, int(tokens[i]), float(logprobs[i]))
+            self.stats.timeline.append((now - start, len(running)))
+            running = self._retire(running, done, now, bar)
+        if bar is not None:
+            bar.close()
+        return done  # type: ignore[return-value]
+
+    def _emit(self, run: _Running, token: int, logprob: float) -> None:
+        comp = run.completion
+        comp.token_ids.append(token)
+        comp.logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        if token in run.request.stop_ids:
+            comp.finish_reason = "stop"
+        elif len(comp.token_ids) >= run.request.max_new_tokens:
+            comp.finish_reason = "length"
+
+    def _retire(self, running, done, now, bar) -> list[_Running]:
+        """Removes finished requests, moving the last running slot into each hole."""
+        i = 0
+        while i < len(running):
+            run = running[i]
+            if not run.completion.finish_reason:
+                i += 1
+                continue
+            run.completion.finish_time = now
+            done[run.index] = run.completion
+            last = len(running) - 1
+            if i != last:
+                tail = running[last]
+                self._move(last, i, len(tail.request.prompt_ids) + len(tail.completion.token_ids))
+                running[i] = tail
+            running.pop()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(tokens=self.stats.generated_tokens, running=len(running))
+        return running
+
+
+def _progress_bar(total: int, progress: bool | None):
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rollout", unit="req", dynamic_ncols=True)
