@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tlt_jax.models.config import ModelConfig, config_from_hf_dict
+from tlt_jax.models import transformer as transformer_lib
+from tlt_jax.models.config import ModelConfig, RopeScaling, config_from_hf_dict
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.parallel import sharding as sharding_lib
 
@@ -197,6 +198,21 @@ class GGUFSource:
             raise ValueError(
                 f"GGUF general.architecture={arch!r} in {self.path}; expected 'llama' or 'qwen2'"
             )
+        rope = None
+        scaling_type = self.field(f"{arch}.rope.scaling.type", "none")
+        if scaling_type == "linear":
+            rope = RopeScaling("linear", factor=float(self.field(f"{arch}.rope.scaling.factor")))
+        elif scaling_type != "none":
+            raise ValueError(
+                f"GGUF {arch}.rope.scaling.type={scaling_type!r} in {self.path}; "
+                "expected 'none' or 'linear'"
+            )
+        if any(t.name == "rope_freqs.weight" for t in self._reader.tensors):
+            # Llama 3.1 GGUFs carry their RoPE scaling as a tensor of per-frequency factors.
+            raise ValueError(
+                f"GGUF tensor 'rope_freqs.weight' (per-frequency RoPE factors) in {self.path} "
+                "is not supported; load the HF safetensors checkpoint instead"
+            )
         num_heads = int(self.field(f"{arch}.attention.head_count"))
         hidden = int(self.field(f"{arch}.embedding_length"))
         tokens = self.field("tokenizer.ggml.tokens")
@@ -211,6 +227,7 @@ class GGUFSource:
             num_kv_heads=int(self.field(f"{arch}.attention.head_count_kv", num_heads)),
             head_dim=int(self.field(f"{arch}.attention.key_length", hidden // num_heads)),
             rope_theta=float(self.field(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=rope,
             rms_norm_eps=float(self.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings="lm_head.weight" not in self._tensors,
             attention_bias=arch == "qwen2",
@@ -307,25 +324,26 @@ def load_model(
       A `Transformer` whose parameters are laid out by the role's rules on `mesh`.
     """
     path = resolve_model_path(name_or_path)
-    source = open_source(path)
-    config = config or load_config(path)
+    # The config (cheap, most likely wrong) is checked before any weight file is opened.
+    if path.suffix == ".gguf":
+        source = GGUFSource(path)
+        config = config or source.config()
+    else:
+        config = config or load_config(path)
+        source = SafetensorsSource(path)
     if config_overrides:
         config = config.replace(**config_overrides)
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    graphdef, abstract_state = nnx.split(abstract)
-    if mesh is None:
-        device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(
-            lambda _: device_sharding,
-            abstract_state,
-            is_leaf=lambda x: isinstance(x, nnx.Variable),
-        )
-    else:
-        shardings = sharding_lib.state_shardings(abstract_state, mesh, sharding_lib.rules_for(role))
-    flat_shardings = dict(nnx.to_flat_state(shardings))
     missing = _expected_hf_names(config) - source.names()
     if missing:
         raise ValueError(f"checkpoint {path} lacks tensors {sorted(missing)[:5]} (and maybe more)")
+    if mesh is None:
+        graphdef, abstract_state = transformer_lib.abstract_state(config)
+        device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        flat_shardings = {p: device_sharding for p, _ in nnx.to_flat_state(abstract_state)}
+    else:
+        rules = sharding_lib.rules_for(role)
+        graphdef, abstract_state = transformer_lib.abstract_state(config, mesh, rules)
+        flat_shardings = {p: v.get_value().sharding for p, v in nnx.to_flat_state(abstract_state)}
 
     def load_one(param_path, variable):
         value = variable.get_value()

@@ -169,6 +169,8 @@ def config_from_hf_dict(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
             )
     if hf.get("mlp_bias"):
         raise ValueError("config.json mlp_bias=True is not supported; expected false")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window=True is not supported; expected false")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act={hf.get('hidden_act')!r}; expected 'silu'")
     num_heads = hf["num_attention_heads"]

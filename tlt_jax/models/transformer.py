@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx, struct
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.parallel.sharding import constrain
+from tlt_jax.parallel.sharding import AnyMesh, Rules, constrain, state_shardings
 
 ATTENTION_IMPLS = ("xla", "pallas")
 
@@ -56,17 +56,18 @@ class NewKV(NamedTuple):
 
 
 def write_kv(cache: KVCache, new: NewKV, start_B: jax.Array) -> KVCache:
-    """Writes T new positions of the first B slots at per-slot offsets `start_B`."""
+    """Writes T new positions of the first B slots at per-slot offsets `start_B`.
 
-    def one(cache_LxSxKxH, new_LxTxKxH, start):
-        return jax.lax.dynamic_update_slice(cache_LxSxKxH, new_LxTxKxH, (0, start, 0, 0))
+    One scatter per array, so with the cache donated the update happens in place: a decode
+    step costs O(T), not a copy of the whole [L, B, S, K, H] cache. Positions past the cache
+    length are dropped (never shifted onto earlier, valid positions).
+    """
+    b, t = new.k.shape[1], new.k.shape[2]
+    rows_Bx1 = jnp.arange(b)[:, None]
+    cols_BxT = start_B[:, None] + jnp.arange(t)[None, :]
 
     def write(cache_arr, new_arr):
-        b = new_arr.shape[1]
-        updated = jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)(
-            cache_arr[:, :b], new_arr.astype(cache_arr.dtype), start_B
-        )
-        return cache_arr.at[:, :b].set(updated)
+        return cache_arr.at[:, rows_Bx1, cols_BxT].set(new_arr.astype(cache_arr.dtype), mode="drop")
 
     return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v))
 
@@ -329,3 +330,33 @@ class Transformer(nnx.Module):
 
 def init_model(config: ModelConfig, seed: int = 0) -> Transformer:
     return Transformer(config, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_state(
+    config: ModelConfig, mesh: AnyMesh | None = None, rules: Rules | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and its state as `ShapeDtypeStruct`s; nothing is allocated.
+
+    Args:
+      config: the architecture.
+      mesh: a device or abstract mesh; with it every leaf carries its `NamedSharding`.
+      rules: the role's logical-axis rules (required with `mesh`).
+
+    Returns:
+      (graphdef, state) ready for `jax.jit(...).lower` or for loading into.
+    """
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    if mesh is None:
+        return graphdef, state
+    if rules is None:
+        raise ValueError("abstract_state: rules are required with a mesh")
+    shardings = state_shardings(state, mesh, rules)
+
+    def with_sharding(variable, sharding):
+        value = variable.get_value()
+        return variable.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+
+    state = jax.tree.map(
+        with_sharding, state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return graphdef, state

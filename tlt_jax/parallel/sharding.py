@@ -22,14 +22,15 @@ from collections.abc import Iterator, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
+AnyMesh = Mesh | AbstractMesh
 Rules = tuple[tuple[str, MeshAxes], ...]
 
 LOGICAL_AXES = (
     "batch", "length", "kv_length", "layers", "vocab", "embed", "mlp", "q_heads", "kv_heads",
-    "head_dim", "norm",
+    "head_dim", "norm", "concat_embed",
 )  # fmt: skip
 
 RULES: dict[str, Rules] = {
@@ -45,6 +46,7 @@ RULES: dict[str, Rules] = {
         ("kv_heads", "tensor"),
         ("head_dim", None),
         ("norm", None),
+        ("concat_embed", "data"),  # the drafter fc's [embed; feature] input (2D)
     ),
     "rollout": (
         ("batch", "data"),
@@ -58,6 +60,7 @@ RULES: dict[str, Rules] = {
         ("kv_heads", "tensor"),
         ("head_dim", None),
         ("norm", None),
+        ("concat_embed", None),
     ),
 }
 RULES["drafter"] = RULES["rollout"]
@@ -65,7 +68,7 @@ RULES["drafter"] = RULES["rollout"]
 
 @dataclasses.dataclass(frozen=True)
 class ShardingContext:
-    mesh: Mesh
+    mesh: AnyMesh
     rules: Rules
 
 
@@ -75,7 +78,10 @@ _CONTEXT: contextvars.ContextVar[ShardingContext | None] = contextvars.ContextVa
 
 
 def make_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tensor")) -> Mesh:
-    """A device mesh of `shape` over the first prod(shape) devices.
+    """A device mesh of `shape` over the first prod(shape) devices, with `Auto` axes.
+
+    `jax.make_mesh` defaults to `Explicit` axes, under which `with_sharding_constraint` by
+    name is refused; the model places activations with such constraints, so axes are `Auto`.
 
     Raises:
       ValueError: if the mesh needs more devices than are available.
@@ -87,7 +93,12 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str] = ("data", "tensor
     devices = jax.devices()
     if needed > len(devices) or needed <= 0:
         raise ValueError(f"mesh shape={shape} needs {needed} devices; {len(devices)} available")
-    return jax.make_mesh(shape, tuple(axis_names), devices=devices[:needed])
+    return jax.make_mesh(
+        shape,
+        tuple(axis_names),
+        axis_types=(AxisType.Auto,) * len(shape),
+        devices=devices[:needed],
+    )
 
 
 def rules_for(role: str) -> Rules:
@@ -96,7 +107,7 @@ def rules_for(role: str) -> Rules:
     return RULES[role]
 
 
-def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> PartitionSpec:
+def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: AnyMesh) -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec, dropping mesh axes of size 1 or reused."""
     table = dict(rules)
     used: set[str] = set()
@@ -109,13 +120,13 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, mesh: Mesh) -> Pa
             spec.append(None)
             continue
         axes_tuple = (axes,) if isinstance(axes, str) else tuple(axes)
-        kept = tuple(a for a in axes_tuple if a in mesh.shape and a not in used)
+        kept = tuple(a for a in axes_tuple if mesh.shape.get(a, 1) > 1 and a not in used)
         used.update(kept)
         spec.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return PartitionSpec(*spec)
 
 
-def _fits(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+def _fits(shape: Sequence[int], spec: PartitionSpec, mesh: AnyMesh) -> PartitionSpec:
     """Replicates dimensions that the mesh axes do not divide (e.g. 9 heads over 2 devices)."""
     out = []
     for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
@@ -127,6 +138,35 @@ def _fits(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> PartitionSpe
     return PartitionSpec(*out)
 
 
+def named_sharding(
+    shape: Sequence[int], names: Sequence[str | None], mesh: AnyMesh, rules: Rules
+) -> NamedSharding:
+    """The `NamedSharding` of an array of `shape` whose axes have logical `names`.
+
+    Dimensions the mapped mesh axes do not divide are replicated (e.g. 28 heads over 8).
+
+    Raises:
+      ValueError: if `names` does not have one entry per dimension, or names an unknown axis.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"shape={tuple(shape)} has logical axes {tuple(names)}; need one/dim")
+    return NamedSharding(mesh, _fits(shape, logical_to_spec(names, rules, mesh), mesh))
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded arrays or `ShapeDtypeStruct`s.
+
+    Leaves without a sharding count in full (as if replicated). With uneven shards the
+    largest one is counted, which is what the device allocates.
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
 def logical_axes_of(state: nnx.State) -> nnx.State:
     """The `logical_axes` metadata of every variable in an NNX state, as a matching tree."""
     return jax.tree.map(
@@ -136,7 +176,7 @@ def logical_axes_of(state: nnx.State) -> nnx.State:
     )
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+def state_shardings(state: nnx.State, mesh: AnyMesh, rules: Rules) -> nnx.State:
     """NamedShardings for an (abstract) NNX state from its variables' logical axes.
 
     Every variable must carry `logical_axes`; a missing annotation is an error, not a silent
@@ -146,17 +186,21 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
     def one(variable):
         names = variable.get_metadata().get("logical_axes")
         shape = variable.get_value().shape
-        if names is None or len(names) != len(shape):
-            raise ValueError(f"variable of shape {shape} has logical_axes={names}; need one/dim")
-        spec = _fits(shape, logical_to_spec(names, rules, mesh), mesh)
-        return NamedSharding(mesh, spec)
+        if names is None:
+            raise ValueError(f"variable of shape {shape} has no logical_axes metadata")
+        return named_sharding(shape, names, mesh, rules)
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 @contextlib.contextmanager
-def use_sharding(mesh: Mesh, rules: Rules) -> Iterator[ShardingContext]:
-    """Within the block, `constrain` maps logical activation axes onto `mesh` with `rules`."""
+def use_sharding(mesh: AnyMesh, rules: Rules) -> Iterator[ShardingContext]:
+    """Within the block, `constrain` maps logical activation axes onto `mesh` with `rules`.
+
+    The context is read when a function is traced, and `jax.jit` does not key its cache on
+    it: trace a jitted function inside the block it is meant for (a fresh `jax.jit` per
+    mesh / rules), or a trace from outside the block is silently reused.
+    """
     token = _CONTEXT.set(ShardingContext(mesh, rules))
     try:
         yield _CONTEXT.get()
@@ -177,5 +221,4 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     ctx = _CONTEXT.get()
     if ctx is None:
         return x
-    spec = _fits(x.shape, logical_to_spec(names, ctx.rules, ctx.mesh), ctx.mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+    return jax.lax.with_sharding_constraint(x, named_sharding(x.shape, names, ctx.mesh, ctx.rules))
