@@ -1,0 +1,194 @@
+"""Rollout engine: plain decoding parity, continuous batching, retracing, sampling, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tlt_jax.models import presets
+from tlt_jax.models.transformer import init_model
+from tlt_jax.rl.weight_sync import check_compatible
+from tlt_jax.rollout import engine as engine_lib
+from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams, filtered_logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(presets.get_preset("tiny"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=256,
+                                             max_prefill_batch=2, min_kv_bucket=32))  # fmt: skip
+
+
+_PAD = 128
+
+
+@jax.jit
+def _last_logits(model, tokens_1xP, last):
+    # Right padding never changes earlier positions under the causal mask, so one padded
+    # shape serves every reference call.
+    features, _ = model(tokens_1xP, jnp.arange(_PAD)[None])
+    return model.logits(features)[0, last]
+
+
+def full_forward_logits(model, seq):
+    """Logits after `seq`, from one full forward without any cache (the reference)."""
+    tokens = np.zeros((1, _PAD), np.int32)
+    tokens[0, : len(seq)] = seq
+    return np.asarray(_last_logits(model, jnp.asarray(tokens), len(seq) - 1))
+
+
+def reference_greedy(model, prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(full_forward_logits(model, seq).argmax()))
+    return seq[len(prompt) :]
+
+
+def random_requests(rng, n, vocab=256, **kwargs):
+    return [
+        Request(rng.integers(0, vocab, rng.integers(2, 40)).tolist(), int(rng.integers(1, 30)),
+                **kwargs)
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def test_greedy_equals_full_forward_with_continuous_batching(model, engine):
+    # 9 requests through 4 slots: requests finish at different times, slots move, queued
+    # requests join mid-flight; every output must still be the unbatched greedy sequence.
+    requests = random_requests(np.random.default_rng(0), 9)
+    completions = engine.generate(requests)
+    for req, comp in zip(requests, completions, strict=True):
+        assert comp.index == requests.index(req)
+        assert comp.token_ids == reference_greedy(model, req.prompt_ids, req.max_new_tokens)
+        assert comp.finish_reason == "length"
+        assert len(comp.logprobs) == len(comp.token_ids)
+
+
+def test_logprobs_are_policy_logprobs(model, engine):
+    req = Request([3, 14, 15, 92, 6], 6, SamplingParams(temperature=0.7), seed=5)
+    (comp,) = engine.generate([req])
+    seq = list(req.prompt_ids)
+    for token, logprob in zip(comp.token_ids, comp.logprobs, strict=True):
+        logits = full_forward_logits(model, seq) / 0.7
+        expected = logits[token] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+        np.testing.assert_allclose(logprob, expected, atol=1e-4)
+        seq.append(token)
+
+
+def test_no_retrace_in_steady_state(engine):
+    rng = np.random.default_rng(1)
+    engine.generate(random_requests(rng, 6))
+    traces = dict(engine_lib.TRACE_COUNTS)
+    compiles = engine.stats.compile_count
+    # New requests of the same size classes reuse the pool: no trace, no compile.
+    engine.generate(random_requests(np.random.default_rng(1), 6))
+    assert engine_lib.TRACE_COUNTS == traces
+    assert engine.stats.compile_count == compiles
+    assert engine.stats.compile_seconds > 0
+
+
+def test_decode_cost_follows_context(model):
+    eng = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=1024, min_kv_bucket=32))
+    eng.generate([Request([1, 2, 3], 10), Request([4, 5], 3)])
+    decode_keys = [k for k in eng._pool if k[0] == "decode"]
+    # Short contexts only ever use the smallest kv bucket, never the 1024 maximum.
+    assert {k[2] for k in decode_keys} == {32}
+    assert {k[1] for k in decode_keys} <= {1, 2}
+
+
+def test_sampling_is_per_request_deterministic(model):
+    # The same request gives the same sample whatever else shares its batch.
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+    reqs = random_requests(np.random.default_rng(2), 5, sampling=sampling)
+    reqs = [Request(r.prompt_ids, r.max_new_tokens, r.sampling, seed=i) for i, r in enumerate(reqs)]
+    small = RolloutEngine(model, EngineConfig(max_batch_size=1, max_seq_len=128, min_kv_bucket=32))
+    big = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=128, min_kv_bucket=32))
+    a = [c.token_ids for c in small.generate(reqs)]
+    b = [c.token_ids for c in big.generate(reqs)]
+    assert a == b
+    other_seed = [Request(r.prompt_ids, r.max_new_tokens, r.sampling, seed=100) for r in reqs]
+    assert [c.token_ids for c in big.generate(other_seed)] != b
+
+
+def test_top_k_one_is_greedy(model, engine):
+    reqs = random_requests(np.random.default_rng(3), 3)
+    sampled = [Request(r.prompt_ids, r.max_new_tokens, SamplingParams(1.3, 1.0, 1)) for r in reqs]
+    assert [c.token_ids for c in engine.generate(sampled)] == [
+        c.token_ids for c in engine.generate(reqs)
+    ]
+
+
+def test_filtered_logits_top_k_top_p():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    one = jnp.ones((1,))
+    keep = lambda k, p: np.isfinite(np.asarray(filtered_logits(logits, one, k, p)))[0]  # noqa: E731
+    assert keep(jnp.array([2]), one).tolist() == [True, True, False, False]
+    # top-p 0.7: 0.5 < 0.7, 0.5 + 0.3 >= 0.7 -> two tokens.
+    assert keep(jnp.array([0]), jnp.array([0.7])).tolist() == [True, True, False, False]
+    assert keep(jnp.array([0]), jnp.array([0.81])).tolist() == [True, True, True, False]
+    assert keep(jnp.array([0]), jnp.array([1.0])).all()
+
+
+def test_stop_token_ends_request(model, engine):
+    prompt = [7, 8, 9, 10]
+    free = reference_greedy(model, prompt, 12)
+    stop = free[4]
+    first = free.index(stop)
+    (comp,) = engine.generate([Request(prompt, 12, stop_ids=(stop,))])
+    assert comp.finish_reason == "stop"
+    assert comp.token_ids == free[: first + 1]
+
+
+def test_max_new_tokens_one(engine):
+    (comp,) = engine.generate([Request([1, 2, 3], 1)])
+    assert len(comp.token_ids) == 1 and comp.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Request([], 4), "prompt_ids is empty"),
+        (lambda: Request([1, 2], 0), "max_new_tokens=0"),
+        (lambda: Request([1, 2], -3), "max_new_tokens=-3"),
+        (lambda: SamplingParams(temperature=-0.5), "temperature=-0.5"),
+        (lambda: SamplingParams(top_p=0.0), "top_p=0.0"),
+        (lambda: EngineConfig(max_batch_size=0), "max_batch_size=0"),
+    ],
+)
+def test_bad_request_values(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_prompt_longer_than_context_fails_before_compiling(model):
+    eng = RolloutEngine(model, EngineConfig(max_batch_size=2, max_seq_len=64))
+    with pytest.raises(ValueError, match=r"prompt length 60 \+ max_new_tokens 10 = 70 .*64"):
+        eng.generate([Request([1, 2], 4), Request(list(range(60)), 10)])
+    with pytest.raises(ValueError, match=r"outside \[0, 256\)"):
+        eng.generate([Request([1, 999], 4)])
+    assert eng.stats.compile_count == 0
+
+
+def test_weight_sync_checks(model, engine):
+    params = engine.params
+    engine.update_params(jax.tree.map(lambda x: x * 0.5, params))  # same layout: accepted
+    bad_shape = jax.tree.map(lambda x: x, params)
+    bad_shape["embed"].set_value(jnp.zeros((3, 3)))
+    with pytest.raises(ValueError, match=r"\['embed'\].*shape \(3, 3\)"):
+        engine.update_params(bad_shape)
+    bad_dtype = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    with pytest.raises(ValueError, match="dtype bfloat16"):
+        check_compatible(params, bad_dtype)
+    with pytest.raises(ValueError, match="tree structure differs"):
+        check_compatible(params, {"embed": params["embed"]})
+    devices = jax.devices()
+    if len(devices) > 1:
+        moved = jax.tree.map(lambda x: jax.device_put(x, devices[1]), params)
+        with pytest.raises(ValueError, match="sharding"):
+            check_compatible(params, moved)
+    engine.update_params(params)

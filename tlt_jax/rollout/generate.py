@@ -1,0 +1,142 @@
+"""Batch generation from a JSONL file of prompts: the library side of `scripts/generate.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tlt_jax.rollout.engine import Completion, EngineConfig, Request, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    model: str = "smollm2-135m-instruct"
+    prompts: str = ""
+    output: str = ""
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    max_batch_size: int = 32
+    max_seq_len: int = 2048
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        # SamplingParams and Request validate the rest with their own messages.
+        SamplingParams(self.temperature, self.top_p, self.top_k)
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
+
+
+def read_prompts(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Reads a JSONL file whose lines have `prompt` (raw text) or `messages` (chat list).
+
+    Raises:
+      FileNotFoundError / ValueError naming the file and line of the problem.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts file {path} does not exist")
+    rows = []
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise ValueError(f"{path}:{line_no}: expected an object with `prompt` or `messages`")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"--prompts file {path} has no prompts")
+    return rows
+
+
+def encode_prompt(tokenizer, row: dict[str, Any]) -> list[int]:
+    """Token ids of a `prompt` (raw text) or `messages` (chat template, generation prompt)."""
+    if "messages" in row:
+        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
+                                            tokenize=True)  # fmt: skip
+        if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(row["prompt"]).input_ids)
+
+
+def stop_ids_of(tokenizer) -> tuple[int, ...]:
+    ids = {tokenizer.eos_token_id}
+    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def completion_record(comp: Completion, tokenizer) -> dict[str, Any]:
+    return {
+        "index": comp.index,
+        "text": tokenizer.decode(comp.token_ids, skip_special_tokens=True),
+        "token_ids": comp.token_ids,
+        "logprobs": [round(x, 6) for x in comp.logprobs],
+        "finish_reason": comp.finish_reason,
+        "accepted_lengths": comp.accepted_lengths,
+        "latency_s": round(comp.latency_s, 4),
+    }
+
+
+def build_requests(
+    tokenizer, rows: Sequence[dict[str, Any]], config: GenerateConfig
+) -> list[Request]:
+    sampling = SamplingParams(config.temperature, config.top_p, config.top_k)
+    stops = stop_ids_of(tokenizer)
+    requests = []
+    for i, row in enumerate(rows):
+        ids = encode_prompt(tokenizer, row)
+        if not ids:
+            raise ValueError(f"prompt {i} encodes to no tokens; expected a non-empty prompt")
+        requests.append(Request(ids, config.max_new_tokens, sampling, stops, config.seed + i))
+    return requests
+
+
+def run(config: GenerateConfig) -> dict[str, Any]:
+    """Generates for every prompt, writes the JSONL output, returns a summary."""
+    from tlt_jax.models import checkpoints
+
+    rows = read_prompts(config.prompts)
+    tokenizer = checkpoints.load_tokenizer(config.model)
+    requests = build_requests(tokenizer, rows, config)
+    model = checkpoints.load_model(config.model, param_dtype=config.dtype, dtype=config.dtype)
+    engine = RolloutEngine(
+        model,
+        EngineConfig(
+            max_batch_size=config.max_batch_size,
+            max_seq_len=config.max_seq_len,
+            max_prefill_batch=min(8, config.max_batch_size),
+        ),  # fmt: skip
+    )
+    engine.validate(requests)
+    start = time.perf_counter()
+    completions = engine.generate(requests)
+    elapsed = time.perf_counter() - start
+    if config.output:
+        Path(config.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(config.output, "w") as f:
+            for comp in completions:
+                f.write(json.dumps(completion_record(comp, tokenizer)) + "\n")
+    tokens = sum(len(c.token_ids) for c in completions)
+    return {
+        "requests": len(completions),
+        "generated_tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "compile_count": engine.stats.compile_count,
+        "compile_seconds": engine.stats.compile_seconds,
+    }
