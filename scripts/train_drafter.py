@@ -1,0 +1,55 @@
+r"""Drafter warm-up: generate with the policy, train the EAGLE drafter on its features, export.
+
+    python scripts/train_drafter.py --model=/path/to/hf_model --prompts=prompts.jsonl \
+        --workdir=/tmp/drafter --max_steps=2000 --export_dir=/tmp/drafter/eagle
+
+Re-running with the same --workdir resumes (cached responses, latest orbax checkpoint).
+"""
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", None, "HF directory, .gguf file or short model name.", required=True)
+flags.DEFINE_string("prompts", None, "JSONL with 'prompt' or 'messages' per line.", required=True)
+flags.DEFINE_string("workdir", None, "Checkpoints and cached responses.", required=True)
+flags.DEFINE_string("export_dir", None, "EAGLE output directory (default workdir/eagle).")
+flags.DEFINE_integer("max_steps", 1000, "Drafter optimizer steps.")
+flags.DEFINE_integer("max_new_tokens", 1024, "Response length limit for generation.")
+flags.DEFINE_integer("max_prompts", None, "Use at most this many prompts.")
+flags.DEFINE_integer("batch_rows", 4, "Packed rows per training batch.")
+flags.DEFINE_integer("row_len", 2048, "Tokens per packed row.")
+flags.DEFINE_integer("window", 512, "Maximum training window (tokens).")
+flags.DEFINE_float("lr", 5e-5, "Peak learning rate.")
+flags.DEFINE_integer("warmup_steps", 100, "Linear learning-rate warm-up steps.")
+flags.DEFINE_integer("checkpoint_every", 100, "Steps between orbax checkpoints.")
+flags.DEFINE_float("temperature", 0.0, "Generation temperature (0: greedy).")
+flags.DEFINE_integer("seed", 0, "Seed for init, generation and batches.")
+flags.DEFINE_string("instruction", None, "RL prompt instruction (default: the RL pipeline's).")
+flags.DEFINE_string("dtype", None, "Override the policy's param/compute dtype, e.g. bfloat16.")
+
+
+def main(argv):
+    del argv
+    from tlt_jax.drafter.trainer import DrafterTrainConfig
+    from tlt_jax.drafter.warmup import WarmupConfig, run_warmup
+    from tlt_jax.models.checkpoints import load_model, load_tokenizer
+
+    overrides = {"param_dtype": FLAGS.dtype, "dtype": FLAGS.dtype} if FLAGS.dtype else {}
+    train = DrafterTrainConfig(
+        learning_rate=FLAGS.lr, warmup_steps=min(FLAGS.warmup_steps, FLAGS.max_steps - 1),
+        total_steps=FLAGS.max_steps, window=FLAGS.window, batch_rows=FLAGS.batch_rows,
+        row_len=FLAGS.row_len, checkpoint_every=FLAGS.checkpoint_every,
+    )  # fmt: skip
+    config = WarmupConfig(
+        prompts=FLAGS.prompts, workdir=FLAGS.workdir, export_dir=FLAGS.export_dir,
+        instruction=FLAGS.instruction, max_new_tokens=FLAGS.max_new_tokens,
+        max_prompts=FLAGS.max_prompts, temperature=FLAGS.temperature, seed=FLAGS.seed,
+        train=train,
+    )  # fmt: skip
+    out = run_warmup(config, load_model(FLAGS.model, **overrides), load_tokenizer(FLAGS.model),
+                     max_steps=FLAGS.max_steps)  # fmt: skip
+    print(f"exported EAGLE drafter to {out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

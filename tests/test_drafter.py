@@ -1,0 +1,427 @@
+"""EAGLE drafter: model, alignment, loss, packing, training, checkpoints and export."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tlt_jax.drafter.data import DrafterBuffer, cut_window, pack_windows
+from tlt_jax.drafter.export import export_eagle, load_eagle
+from tlt_jax.drafter.loss import eagle_inputs, eagle_loss, smooth_l1
+from tlt_jax.drafter.trainer import (
+    DrafterCheckpointer,
+    DrafterTrainConfig,
+    batch_loss,
+    init_train_state,
+    make_train_step,
+    param_shardings,
+)
+from tlt_jax.models.drafter import (
+    Drafter,
+    draft_logits,
+    drafter_config,
+    drafter_forward,
+    drafter_from_params,
+)
+from tlt_jax.models.presets import get_preset
+from tlt_jax.models.transformer import Transformer, segment_causal_mask, write_kv
+from tlt_jax.parallel.sharding import make_mesh
+
+CONFIG = get_preset("tiny")
+D, V = CONFIG.hidden_size, CONFIG.vocab_size
+# One program per shape instead of one per primitive: much faster on few CPU cores.
+forward = jax.jit(drafter_forward, static_argnums=1)
+loss_of = jax.jit(batch_loss, static_argnums=(1, 2))
+
+
+def _random_values(abstract_pure: dict, seed: int, scale: float = 0.02) -> dict:
+    """Normal(scale) matrices, unit norms, small biases; host RNG (no per-shape compiles)."""
+    rng = np.random.default_rng(seed)
+
+    def one(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            return jnp.asarray(1.0 + 0.1 * rng.standard_normal(leaf.shape), leaf.dtype)
+        return jnp.asarray(scale * rng.standard_normal(leaf.shape), leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(one, abstract_pure)
+
+
+def random_drafter(seed: int = 0, config=CONFIG, scale: float = 0.05) -> Drafter:
+    abstract = nnx.eval_shape(lambda: Drafter(config, rngs=nnx.Rngs(0)))
+    return drafter_from_params(config, _random_values(abstract.params_dict(), seed, scale))
+
+
+@pytest.fixture(scope="module")
+def policy():
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(CONFIG, rngs=nnx.Rngs(0))))
+    pure = _random_values(nnx.to_pure_dict(state), seed=1, scale=0.5)
+    pure["embed"] = pure["embed"] * 2.0
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+@pytest.fixture(scope="module")
+def embed_head(policy):
+    return policy.embed.get_value(), policy.head_weight_DxV()
+
+
+def _positions(b, t):
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def test_forward_shapes_and_only_trainable_params(embed_head):
+    embed, head = embed_head
+    drafter = random_drafter()
+    tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
+    features = jax.random.normal(jax.random.key(0), (2, 5, D))
+    g, kv = drafter(embed, tokens, features, _positions(2, 5))
+    assert g.shape == (2, 5, D)
+    assert kv.k.shape == (1, 2, 5, CONFIG.num_kv_heads, CONFIG.head_dim)
+    params = drafter.params_dict()
+    assert set(params) == {"fc", "layers"}
+    assert params["fc"].shape == (2 * D, D)
+    assert set(params["layers"]) == {"q", "k", "v", "o", "mlp_norm", "gate", "up", "down"}
+    count = sum(x.size for x in jax.tree.leaves(params))
+    layer = CONFIG.num_params() - V * D - D  # tied embedding, final norm
+    layer = layer // CONFIG.num_layers - D  # one layer without its input norm
+    assert count == 2 * D * D + layer
+    # The embedding really is the one passed in: another embedding changes the output.
+    g2, _ = drafter(embed * 2.0, tokens, features, _positions(2, 5))
+    assert not np.allclose(g, g2)
+    logits = draft_logits(g, head)
+    assert logits.shape == (2, 5, V) and logits.dtype == jnp.float32
+    hot = jnp.array([7, 3, 200], jnp.int32)
+    np.testing.assert_allclose(draft_logits(g, head, hot), logits[..., hot], rtol=1e-5, atol=1e-5)
+
+
+def test_cached_multistep_drafting_equals_full_forward(embed_head):
+    embed, _ = embed_head
+    drafter = random_drafter(1)
+    b, prefill, steps = 2, 5, 4
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, V, (b, prefill + steps)), jnp.int32)
+    features = jnp.asarray(rng.standard_normal((b, prefill, D)), jnp.float32)
+    positions = _positions(b, prefill + steps)
+    cache = drafter.init_cache(b, 16)
+    lens = jnp.zeros((b,), jnp.int32)
+    params, config = drafter.params_dict(), drafter.config
+    g_prefill, kv = forward(params, config, embed, tokens[:, :prefill], features,
+                            positions[:, :prefill], cache=cache, cache_lens_B=lens)  # fmt: skip
+    cache, lens = write_kv(cache, kv, lens), lens + prefill
+    feature, drafted = g_prefill[:, -1:], []
+    for i in range(steps):
+        t = prefill + i
+        feature, kv = forward(params, config, embed, tokens[:, t : t + 1], feature,
+                              positions[:, t : t + 1], cache=cache, cache_lens_B=lens)  # fmt: skip
+        cache, lens = write_kv(cache, kv, lens), lens + 1
+        drafted.append(feature)
+    # The full forward sees, at every drafted position, the previous position's own output.
+    full_features = jnp.concatenate([features, g_prefill[:, -1:], *drafted[:-1]], axis=1)
+    g_full, _ = forward(params, config, embed, tokens, full_features, positions)
+    np.testing.assert_allclose(g_full[:, :prefill], g_prefill, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g_full[:, prefill:], jnp.concatenate(drafted, 1), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- alignment, loss
+
+
+def test_eagle_inputs_alignment_by_hand():
+    tokens = jnp.array([[10, 11, 12, 13, 20, 21, 22, 0]])
+    segments = jnp.array([[1, 1, 1, 1, 2, 2, 2, 0]])
+    response = jnp.array([[0, 0, 1, 1, 0, 1, 1, 0]], bool)
+    features = jnp.arange(8, dtype=jnp.float32).reshape(1, 8, 1)
+    out = eagle_inputs(tokens, features, response, segments)
+    np.testing.assert_array_equal(out.tokens_BxT, [[11, 12, 13, 0, 21, 22, 0, 0]])
+    np.testing.assert_array_equal(out.features_BxTxD[..., 0], [[0, 1, 2, 3, 4, 5, 6, 7]])
+    np.testing.assert_array_equal(out.targets_BxTxD[..., 0], [[1, 2, 3, 0, 5, 6, 0, 0]])
+    # Pair t trains iff x[t+1] is a response token of the same segment.
+    np.testing.assert_array_equal(out.loss_mask_BxT, [[0, 1, 1, 0, 1, 1, 0, 0]])
+
+
+def test_loss_hand_computed():
+    g = jnp.array([[[0.5, 2.0], [9.0, -9.0]]])
+    target = jnp.array([[[1.0, 0.0], [0.0, 0.0]]])
+    mask = jnp.array([[True, False]])  # the second (huge) pair must not count
+    head = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])  # D=2, V=3
+    loss, metrics = jax.jit(eagle_loss)(g, target, mask, head)
+    vloss = (0.5 * 0.5**2 + (2.0 - 0.5)) / 2  # SmoothL1 of (-0.5, 2.0), mean over D
+    p = np.exp([1.0, 0.0, 0.0]) / np.exp([1.0, 0.0, 0.0]).sum()
+    log_q = np.array([0.5, 2.0, 0.0]) - math.log(math.exp(0.5) + math.exp(2.0) + 1.0)
+    ploss = -float(np.sum(p * log_q))
+    np.testing.assert_allclose(metrics["vloss"], vloss, rtol=1e-6)
+    np.testing.assert_allclose(metrics["ploss"], ploss, rtol=1e-6)
+    np.testing.assert_allclose(loss, vloss + 0.1 * ploss, rtol=1e-6)
+    assert float(metrics["accuracy"]) == 0.0 and float(metrics["tokens"]) == 1.0
+    np.testing.assert_allclose(smooth_l1(jnp.array([0.5, -3.0])), [0.125, 2.5])
+    # Chunked logits give the same loss and gradient.
+    grad = jax.jit(jax.grad(lambda x: eagle_loss(x, target, mask, head)[0]))(g)
+    chunked = jax.grad(lambda x: eagle_loss(x, target, mask, head, token_chunk=1)[0])
+    grad_chunked = jax.jit(chunked)(g)
+    np.testing.assert_allclose(grad_chunked, grad, rtol=1e-6)
+
+
+def _samples(rng, lengths):
+    out = []
+    for n in lengths:
+        mask = np.zeros(n, bool)
+        mask[rng.integers(1, 3) :] = True
+        out.append((rng.integers(0, V, n).astype(np.int32),
+                    rng.standard_normal((n, D)).astype(np.float32), mask))  # fmt: skip
+    return out
+
+
+def test_packed_loss_equals_separate_losses(embed_head):
+    embed, head = embed_head
+    params = random_drafter(2).params_dict()
+    config = DrafterTrainConfig()
+    samples = _samples(np.random.default_rng(3), (6, 9, 5))
+    packed, count = pack_windows(samples, batch_rows=1, row_len=24)
+    assert count == 3
+    np.testing.assert_array_equal(packed.segment_ids_BxT[0], [1] * 6 + [2] * 9 + [3] * 5 + [0] * 4)
+    np.testing.assert_array_equal(packed.positions_BxT[0, 6:15], np.arange(9))
+    _, total = loss_of(params, CONFIG, config, packed, embed, head)
+    separate = [loss_of(params, CONFIG, config, pack_windows([s], 1, 24)[0], embed, head)[1]
+                for s in samples]  # fmt: skip
+    tokens = np.array([float(m["tokens"]) for m in separate])
+    assert float(total["tokens"]) == tokens.sum()
+    for key in ("vloss", "ploss", "loss"):
+        weighted = np.sum([float(m[key]) for m in separate] * tokens) / tokens.sum()
+        np.testing.assert_allclose(float(total[key]), weighted, rtol=1e-5)
+
+
+def test_packed_segments_do_not_leak(embed_head):
+    embed, _ = embed_head
+    drafter = random_drafter(3)
+    samples = _samples(np.random.default_rng(4), (7, 8))
+
+    def outputs(batch):
+        inputs = eagle_inputs(batch.tokens_BxT, batch.features_BxTxD, batch.loss_mask_BxT,
+                              batch.segment_ids_BxT)  # fmt: skip
+        g, _ = forward(drafter.params_dict(), drafter.config, embed, inputs.tokens_BxT,
+                       inputs.features_BxTxD, batch.positions_BxT,
+                       mask_BxTxT=segment_causal_mask(batch.segment_ids_BxT))  # fmt: skip
+        return g
+
+    g = outputs(pack_windows(samples, 1, 16)[0])
+    changed = [(np.roll(samples[0][0], 1) + 1) % V, samples[0][1] + 1.0, samples[0][2]]
+    g_changed = outputs(pack_windows([tuple(changed), samples[1]], 1, 16)[0])
+    assert not np.allclose(g[0, :6], g_changed[0, :6])
+    np.testing.assert_allclose(g[0, 7:15], g_changed[0, 7:15], rtol=0, atol=1e-6)
+    # And segment 2 of the packed row equals sample 2 run alone (positions restart at 0).
+    g_alone = outputs(pack_windows([samples[1]], 1, 16)[0])
+    np.testing.assert_allclose(g[0, 7:14], g_alone[0, :7], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_windows_and_buffer_recent_steps():
+    rng = np.random.default_rng(0)
+    mask = np.zeros(100, bool)
+    mask[30:90] = True
+    assert cut_window(mask, 128, 8, rng) == (22, 90)
+    for _ in range(20):
+        start, end = cut_window(mask, 16, 8, rng)
+        assert end - start == 16 and 22 <= start and end <= 90
+    assert cut_window(np.zeros(5, bool), 16, 8, rng) is None
+    assert cut_window(mask, 16, 100, rng)[0] >= 30 - 8  # context capped at half a window
+
+    buffer = DrafterBuffer(window=16, prompt_context=2, last_n_steps=2, feature_dtype=np.float32)
+    for step in range(3):
+        tokens = np.full((2, 12), step + 1, np.int32)
+        tokens[:, 0] = 100  # left padding, dropped through valid_mask
+        valid = np.ones((2, 12), bool)
+        valid[:, 0] = False
+        response = np.zeros((2, 12), bool)
+        response[:, 6:] = True
+        features = np.full((2, 12, D), float(step), np.float32)
+        assert buffer.add(tokens, features, response, step, valid_mask=valid) == 2
+    assert len(buffer) == 6 and buffer.latest_step == 2
+    batch = buffer.sample_batch(rng, batch_rows=2, row_len=32)
+    used = batch.segment_ids_BxT > 0
+    assert set(np.unique(batch.tokens_BxT[used])) == {2, 3}  # steps 1 and 2 only
+    assert used.sum() == 4 * 8  # 2 prompt-context tokens + 6 response tokens per window
+    np.testing.assert_array_equal(batch.loss_mask_BxT[used].reshape(4, 8)[:, :2], False)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def train_buffer(policy):
+    from tlt_jax.drafter.warmup import harvest_features
+
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(0, V, 8)) for _ in range(8)]
+    responses = [list(rng.integers(0, V, 32)) for _ in range(8)]
+    buffer = DrafterBuffer(window=32, prompt_context=4, last_n_steps=1, feature_dtype=np.float32)
+    assert harvest_features(policy, buffer, prompts, responses, batch_size=8) == 8
+    return buffer
+
+
+def test_training_reduces_loss_and_checkpoint_resumes(train_buffer, embed_head, tmp_path):
+    embed, head = embed_head
+    config = DrafterTrainConfig(learning_rate=3e-3, schedule="constant", warmup_steps=2,
+                                batch_rows=2, row_len=64, weight_decay=0.01)  # fmt: skip
+    step_fn = make_train_step(CONFIG, config)
+    state = init_train_state(random_drafter(4).params_dict(), config)
+    eval_batch = train_buffer.sample_batch(np.random.default_rng(99), 2, 64)
+    first = float(loss_of(state.params, CONFIG, config, eval_batch, embed, head)[0])
+    for step in range(50):
+        batch = train_buffer.sample_batch(np.random.default_rng(step), 2, 64)
+        state, metrics = step_fn(state, batch, embed, head)
+    last = float(loss_of(state.params, CONFIG, config, eval_batch, embed, head)[0])
+    assert last < 0.8 * first, (first, last)
+    assert int(state.step) == 50 and np.isfinite(float(metrics["grad_norm"]))
+    assert step_fn._cache_size() == 1  # every batch has the same shapes: one program
+
+    checkpointer = DrafterCheckpointer(tmp_path / "ckpt", CONFIG, keep=2)
+    assert checkpointer.restore(state) is None
+    saved = jax.tree.map(np.array, state)
+    assert checkpointer.save(state)
+    # The step donates `state` right after the (asynchronous) save was started.
+    state, expected = step_fn(state, eval_batch, embed, head)
+    checkpointer.close()
+
+    fresh = init_train_state(random_drafter(5).params_dict(), config)
+    reopened = DrafterCheckpointer(tmp_path / "ckpt", CONFIG, keep=2)
+    restored = reopened.restore(fresh)
+    assert int(restored.step) == 50 and reopened.latest_step() == 50
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, restored), saved)
+    restored, again = step_fn(restored, eval_batch, embed, head)
+    assert int(restored.step) == 51
+    for key in expected:
+        np.testing.assert_array_equal(again[key], expected[key])
+    # A checkpoint of another architecture is refused by name.
+    other = DrafterCheckpointer(tmp_path / "ckpt", CONFIG.replace(rope_theta=500.0))
+    with pytest.raises(ValueError, match="rope_theta"):
+        other.restore(fresh)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_export_round_trip(model_type, embed_head, tmp_path):
+    embed, _ = embed_head
+    config = CONFIG.replace(model_type=model_type, attention_bias=model_type == "qwen2")
+    drafter = random_drafter(6, config)
+    out = export_eagle(drafter.params_dict(), config, tmp_path / "eagle")
+    from safetensors.numpy import load_file
+
+    names = set(load_file(str(out / "model.safetensors")))
+    assert all(n.startswith(("fc.", "layers.0.")) for n in names)
+    assert "fc.weight" in names and not any("input_layernorm" in n for n in names)
+    assert ("layers.0.self_attn.q_proj.bias" in names) == (model_type == "qwen2")
+    assert load_file(str(out / "model.safetensors"))["fc.weight"].shape == (D, 2 * D)
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["num_hidden_layers"] == 1
+    assert hf["architectures"] == [{"llama": "LlamaForCausalLMEagle",
+                                    "qwen2": "Qwen2ForCausalLMEagle"}[model_type]]  # fmt: skip
+    loaded = load_eagle(out)
+    assert loaded.config == drafter_config(config)
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+    features = jax.random.normal(jax.random.key(1), (2, 6, D))
+    g, _ = drafter(embed, tokens, features, _positions(2, 6))
+    g_loaded, _ = loaded(embed, tokens, features, _positions(2, 6))
+    np.testing.assert_array_equal(g_loaded, g)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("learning_rate", -1.0), ("schedule", "linear"), ("batch_rows", 0), ("b2", 1.0),
+     ("grad_clip", -0.5), ("loss_token_chunk", 0), ("window", 2.5)],
+)  # fmt: skip
+def test_train_config_validation_names_field(field, value):
+    with pytest.raises(ValueError, match=rf"{field}={value!r}".replace(".", r"\.")):
+        DrafterTrainConfig(**{field: value})
+
+
+def test_param_shardings_on_fake_mesh():
+    shardings = param_shardings(CONFIG, make_mesh((2, 4)), role="train")
+    assert shardings["fc"].spec == jax.sharding.PartitionSpec("data", None)
+    assert shardings["layers"]["q"].spec[2] == "tensor"
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+
+class _ByteTokenizer:
+    chat_template = None
+    eos_token_id = 0
+
+    def encode(self, text, add_special_tokens=True):
+        return [1 + b % (V - 1) for b in text.encode()]
+
+
+def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
+    from tlt_jax.drafter import warmup
+
+    calls = []
+
+    def fake_generate(model, prompt_ids, *, max_new_tokens, **kwargs):
+        calls.append(len(prompt_ids))
+        return [[(3 * i + j) % (V - 1) + 1 for j in range(max_new_tokens)]
+                for i in range(len(prompt_ids))]  # fmt: skip
+
+    monkeypatch.setattr(warmup, "generate_responses", fake_generate)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(5)))
+    # The training test's settings and shapes: its programs come from the compilation cache.
+    train = DrafterTrainConfig(learning_rate=3e-3, schedule="constant", warmup_steps=2,
+                               batch_rows=2, row_len=64, window=32, checkpoint_every=2)  # fmt: skip
+    config = warmup.WarmupConfig(prompts=str(prompts), workdir=str(tmp_path / "work"),
+                                 instruction="", max_new_tokens=20, harvest_batch=8,
+                                 train=train)  # fmt: skip
+    out = warmup.run_warmup(config, policy, _ByteTokenizer(), max_steps=3)
+    assert load_eagle(out).config == drafter_config(CONFIG)
+    out = warmup.run_warmup(config, policy, _ByteTokenizer(), max_steps=5)
+    assert calls == [5]  # the second run reused the cached responses
+    steps = sorted(int(p.name) for p in (tmp_path / "work" / "checkpoints").iterdir())
+    assert steps[-1] == 5 and 3 in steps
+
+
+def test_export_matches_torch_eagle_reference(embed_head, tmp_path):
+    """What an HF / SGLang EAGLE loader computes from the export equals our drafter."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+
+    embed, _ = embed_head
+    config = CONFIG.replace(model_type="qwen2", attention_bias=True)
+    drafter = random_drafter(7, config)
+    out = export_eagle(drafter.params_dict(), config, tmp_path / "eagle")
+    hf_config = transformers.Qwen2Config(**{
+        k: v for k, v in json.loads((out / "config.json").read_text()).items()
+        if k not in ("architectures", "torch_dtype")
+    })  # fmt: skip
+    tensors = {k: torch.from_numpy(v) for k, v in load_file(str(out / "model.safetensors")).items()}
+    model = transformers.Qwen2Model(hf_config).float().eval()
+    missing = model.load_state_dict({k: v for k, v in tensors.items() if k.startswith("layers")},
+                                    strict=False).missing_keys  # fmt: skip
+    assert sorted(missing) == ["embed_tokens.weight", "layers.0.input_layernorm.weight",
+                               "norm.weight"]  # fmt: skip
+    model.layers[0].input_layernorm = torch.nn.Identity()  # EAGLE: no input norm
+    model.norm = torch.nn.Identity()  # and no final norm
+    fc = torch.nn.Linear(2 * D, D)
+    fc.load_state_dict({"weight": tensors["fc.weight"], "bias": tensors["fc.bias"]})
+    tokens = np.arange(12, dtype=np.int32).reshape(2, 6) * 7
+    features = np.array(jax.random.normal(jax.random.key(2), (2, 6, D)))
+    with torch.no_grad():
+        e = torch.from_numpy(np.array(embed))[torch.from_numpy(tokens).long()]
+        h = fc(torch.cat([e, torch.from_numpy(features)], dim=-1))
+        want = model(inputs_embeds=h, position_ids=torch.arange(6)[None].repeat(2, 1))
+    g, _ = forward(drafter.params_dict(), drafter.config, embed, tokens, features,
+                   _positions(2, 6))  # fmt: skip
+    np.testing.assert_allclose(g, want.last_hidden_state.numpy(), rtol=1e-4, atol=1e-4)

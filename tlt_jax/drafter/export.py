@@ -1,0 +1,159 @@
+"""The drafter as an HF-style EAGLE directory (what SGLang / EAGLE tooling load), and back.
+
+Layout (EAGLE-1 / TLT checkpoints, no `model.` prefix):
+
+    config.json         the target's HF config with num_hidden_layers=1 and
+                        architectures ["LlamaForCausalLMEagle"] or ["Qwen2ForCausalLMEagle"]
+    model.safetensors   fc.weight [D, 2D] (torch Linear layout, input = [embed; feature]),
+                        fc.bias [D] zeros (optional, on by default: SGLang declares the
+                        Linear with a bias and would otherwise keep it uninitialised),
+                        layers.0.self_attn.{q,k,v,o}_proj.weight (+ q/k/v biases for Qwen2),
+                        layers.0.mlp.{gate,up,down}_proj.weight,
+                        layers.0.post_attention_layernorm.weight
+
+No embedding, no LM head (the live policy's are used) and no input_layernorm (EAGLE drops it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from tlt_jax.models.checkpoints import _LAYER_EXPORT, _LAYER_TENSORS, SafetensorsSource
+from tlt_jax.models.config import ModelConfig, config_from_hf_dict
+from tlt_jax.models.drafter import Drafter, DrafterParams, drafter_config, drafter_from_params
+
+EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
+# Tensors other EAGLE checkpoints may carry that the drafter takes from the live policy.
+_IGNORED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def _layer_names(config: ModelConfig) -> dict[str, str]:
+    """Drafter layer param -> HF tensor name (no input norm, biases only for Qwen2-style)."""
+    names = {}
+    for key, (suffix, _) in _LAYER_TENSORS.items():
+        if key == "attn_norm" or (key.endswith("_bias") and not config.attention_bias):
+            continue
+        names[key] = f"layers.0.{suffix}"
+    return names
+
+
+def eagle_state_dict(
+    params: DrafterParams, target_config: ModelConfig, *, zero_fc_bias: bool = True
+) -> dict[str, np.ndarray]:
+    """The drafter params under EAGLE HF names and torch layouts, as float32 host arrays."""
+    config = drafter_config(target_config)
+    host = jax.device_get(params)
+    fc = np.asarray(host["fc"], np.float32)
+    out = {"fc.weight": np.ascontiguousarray(fc.T)}
+    if zero_fc_bias:
+        out["fc.bias"] = np.zeros((fc.shape[1],), np.float32)
+    for key, name in _layer_names(config).items():
+        value = np.asarray(host["layers"][key], np.float32)[0]
+        out[name] = np.ascontiguousarray(_LAYER_EXPORT[key](value))
+    return out
+
+
+def export_eagle(
+    params: DrafterParams,
+    target_config: ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    zero_fc_bias: bool = True,
+    tokenizer=None,
+) -> Path:
+    """Writes `config.json` and `model.safetensors` (float32) of an EAGLE drafter.
+
+    Args:
+      params: drafter params (`Drafter.params_dict()` or `DrafterTrainState.params`).
+      target_config: the policy's config (the drafter's architecture follows it).
+      out_dir: created if missing; existing files of the same names are replaced.
+      zero_fc_bias: also write a zero `fc.bias` (see the module docstring).
+      tokenizer: optionally saved alongside (`save_pretrained`).
+
+    Returns:
+      The output directory.
+    """
+    import safetensors.numpy
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = drafter_config(target_config).replace(param_dtype="float32")
+    hf = config.to_hf_dict()
+    hf["architectures"] = [EAGLE_ARCHITECTURES[config.model_type]]
+    tensors = eagle_state_dict(params, target_config, zero_fc_bias=zero_fc_bias)
+    safetensors.numpy.save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def load_eagle_config(path: str | os.PathLike) -> ModelConfig:
+    """The drafter `ModelConfig` of an EAGLE directory (one layer).
+
+    Raises:
+      ValueError: if config.json is not a one-layer EAGLE drafter of a supported family.
+    """
+    path = Path(path)
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise OSError(f"cannot read {path / 'config.json'}: {e}") from e
+    archs = hf.get("architectures") or []
+    if any(arch not in EAGLE_ARCHITECTURES.values() for arch in archs):
+        raise ValueError(
+            f"{path / 'config.json'} architectures={archs}; expected one of "
+            f"{sorted(EAGLE_ARCHITECTURES.values())}"
+        )
+    if hf.get("num_hidden_layers") != 1:
+        raise ValueError(
+            f"{path / 'config.json'} num_hidden_layers={hf.get('num_hidden_layers')}; "
+            "an EAGLE drafter has 1"
+        )
+    return config_from_hf_dict(dict(hf, architectures=None))
+
+
+def load_eagle(path: str | os.PathLike, **config_overrides) -> Drafter:
+    """Loads an EAGLE directory written by `export_eagle` (or a TLT / EAGLE-1 checkpoint).
+
+    Args:
+      path: directory with config.json and model.safetensors (or a sharded index).
+      **config_overrides: e.g. `param_dtype="bfloat16"`.
+
+    Returns:
+      A `Drafter` with the loaded weights.
+
+    Raises:
+      ValueError: on missing or unexpected tensors, shape mismatches or a non-zero fc.bias.
+    """
+    path = Path(path)
+    config = load_eagle_config(path)
+    if config_overrides:
+        config = config.replace(**config_overrides)
+    source = SafetensorsSource(path)
+    names = _layer_names(config)
+    expected = {"fc.weight", *names.values()}
+    present = source.names()
+    missing = expected - present
+    unexpected = present - expected - {"fc.bias", *_IGNORED_TENSORS}
+    if missing or unexpected:
+        raise ValueError(
+            f"EAGLE checkpoint {path}: missing tensors {sorted(missing)}, "
+            f"unexpected tensors {sorted(unexpected)}"
+        )
+    if "fc.bias" in present and np.any(source.read("fc.bias") != 0):
+        raise ValueError(f"EAGLE checkpoint {path} has a non-zero fc.bias; the drafter has none")
+    dtype = config.jnp_param_dtype
+    params = {
+        "fc": source.read("fc.weight").T.astype(dtype),
+        "layers": {
+            key: _LAYER_TENSORS[key][1](source.read(name), config)[None].astype(dtype)
+            for key, name in names.items()
+        },
+    }
+    return drafter_from_params(config, jax.tree.map(jax.numpy.asarray, params))

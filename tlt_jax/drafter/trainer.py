@@ -1,0 +1,285 @@
+"""Drafter training: typed config, train state, jitted EAGLE step, orbax checkpoints.
+
+Only the drafter's own parameters (fc and its one layer), the optimizer state and the step are
+trained and checkpointed; the policy's embedding and LM head enter every step as frozen inputs
+(no gradient) and are never saved here (TLT's "selective" checkpoints). Saves are asynchronous
+(orbax copies device arrays to host before `save` returns, then writes in the background).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx, struct
+from jax.sharding import Mesh
+
+from tlt_jax.drafter.data import DrafterBatch, DrafterBuffer
+from tlt_jax.drafter.loss import eagle_inputs, eagle_loss
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import Drafter, DrafterParams, drafter_config, drafter_forward
+from tlt_jax.models.transformer import segment_causal_mask
+from tlt_jax.parallel import sharding as sharding_lib
+
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTrainConfig:
+    """Optimiser, loss and batch settings of drafter training (defaults: TLT / EAGLE)."""
+
+    learning_rate: float = 5e-5
+    schedule: str = "cosine"  # linear warm-up, then cosine decay to end_lr_ratio; or constant
+    warmup_steps: int = 100
+    total_steps: int = 10_000  # the cosine horizon (warm-up included)
+    end_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    weight_decay: float = 0.01  # on matrices only, not on norms or biases
+    grad_clip: float = 1.0
+    vloss_weight: float = 1.0
+    ploss_weight: float = 0.1
+    window: int = 512
+    prompt_context: int = 64
+    batch_rows: int = 4
+    row_len: int = 2048
+    buffer_steps: int = 2
+    loss_token_chunk: int | None = None  # bound [tokens, V] logits memory for large vocabs
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {list(SCHEDULES)}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate!r} must be > 0")
+        for name in ("weight_decay", "vloss_weight", "ploss_weight", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if self.vloss_weight == 0 and self.ploss_weight == 0:
+            raise ValueError("vloss_weight=0 and ploss_weight=0: at least one must be > 0")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
+        if not 0 <= self.end_lr_ratio <= 1:
+            raise ValueError(f"end_lr_ratio={self.end_lr_ratio!r} must be in [0, 1]")
+        for name in ("warmup_steps", "prompt_context"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 0")
+        for name in ("total_steps", "window", "batch_rows", "row_len", "buffer_steps",
+                     "checkpoint_every", "keep_checkpoints"):  # fmt: skip
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 1")
+        if self.schedule == "cosine" and self.warmup_steps >= self.total_steps:
+            raise ValueError(
+                f"warmup_steps={self.warmup_steps} must be < total_steps={self.total_steps} "
+                "for the cosine schedule"
+            )
+        if self.loss_token_chunk is not None and self.loss_token_chunk < 1:
+            raise ValueError(f"loss_token_chunk={self.loss_token_chunk!r} must be >= 1 or None")
+
+
+@struct.dataclass
+class DrafterTrainState:
+    """Everything drafter training owns: the trainable params, optimizer state and step."""
+
+    params: DrafterParams  # {"fc": [2D, D], "layers": {name: [1, ...]}}
+    opt_state: Any  # optax state over `params`
+    step: jax.Array  # int32 scalar, optimizer steps taken
+
+
+def learning_rate_schedule(config: DrafterTrainConfig) -> optax.Schedule:
+    if config.schedule == "constant":
+        if config.warmup_steps == 0:
+            return optax.constant_schedule(config.learning_rate)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps),
+             optax.constant_schedule(config.learning_rate)],
+            [config.warmup_steps],
+        )  # fmt: skip
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, config.total_steps,
+        end_value=config.learning_rate * config.end_lr_ratio,
+    )  # fmt: skip
+
+
+def _decay_mask(params: DrafterParams) -> DrafterParams:
+    def decays(path, _):
+        name = jax.tree_util.keystr(path)
+        return "norm" not in name and "bias" not in name
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(config: DrafterTrainConfig) -> optax.GradientTransformation:
+    """AdamW(b1, b2, weight decay on matrices) after global-norm clipping."""
+    adamw = optax.adamw(
+        learning_rate_schedule(config), b1=config.b1, b2=config.b2,
+        weight_decay=config.weight_decay, mask=_decay_mask,
+    )  # fmt: skip
+    if config.grad_clip == 0:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+
+
+def init_train_state(params: DrafterParams, config: DrafterTrainConfig) -> DrafterTrainState:
+    """A fresh state at step 0 (the optimizer state follows the params' shardings)."""
+    params = jax.tree.map(jnp.asarray, params)
+    opt_state = make_optimizer(config).init(params)
+    return DrafterTrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+
+
+def make_buffer(config: DrafterTrainConfig, *, max_samples: int = 2000) -> DrafterBuffer:
+    """The sample buffer with this config's window, prompt context and step horizon."""
+    return DrafterBuffer(max_samples=max_samples, last_n_steps=config.buffer_steps,
+                         window=config.window, prompt_context=config.prompt_context)  # fmt: skip
+
+
+def param_shardings(target_config: ModelConfig, mesh: Mesh, role: str = "train") -> DrafterParams:
+    """NamedShardings of the drafter params (plain-dict layout) from their logical axes."""
+    abstract = nnx.eval_shape(lambda: Drafter(target_config, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    shardings = sharding_lib.state_shardings(state, mesh, sharding_lib.rules_for(role))
+    return nnx.to_pure_dict(shardings)
+
+
+def batch_loss(
+    params: DrafterParams,
+    model_config: ModelConfig,
+    config: DrafterTrainConfig,
+    batch: DrafterBatch,
+    embed_VxD: jax.Array,
+    head_DxV: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The EAGLE loss of a packed batch (block-diagonal mask, per-segment positions)."""
+    inputs = eagle_inputs(
+        batch.tokens_BxT, batch.features_BxTxD, batch.loss_mask_BxT, batch.segment_ids_BxT
+    )
+    g_BxTxD, _ = drafter_forward(
+        params, model_config, embed_VxD, inputs.tokens_BxT, inputs.features_BxTxD,
+        batch.positions_BxT, mask_BxTxT=segment_causal_mask(batch.segment_ids_BxT),
+    )  # fmt: skip
+    return eagle_loss(
+        g_BxTxD, inputs.targets_BxTxD, inputs.loss_mask_BxT, head_DxV,
+        vloss_weight=config.vloss_weight, ploss_weight=config.ploss_weight,
+        token_chunk=config.loss_token_chunk,
+    )  # fmt: skip
+
+
+def make_train_step(
+    target_config: ModelConfig, config: DrafterTrainConfig
+) -> Callable[..., tuple[DrafterTrainState, dict[str, jax.Array]]]:
+    """`train_step(state, batch, embed_VxD, head_DxV) -> (state, metrics)`, jitted, state donated.
+
+    The embedding and head are frozen inputs: gradients are taken w.r.t. `state.params` only.
+    Metrics: loss, vloss, ploss, accuracy, tokens, grad_norm, learning_rate.
+    """
+    model_config = drafter_config(target_config)
+    optimizer = make_optimizer(config)
+    schedule = learning_rate_schedule(config)
+
+    def train_step(state: DrafterTrainState, batch: DrafterBatch, embed_VxD, head_DxV):
+        grad_fn = jax.value_and_grad(batch_loss, has_aux=True)
+        (_, metrics), grads = grad_fn(state.params, model_config, config, batch, embed_VxD,
+                                      head_DxV)  # fmt: skip
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, grad_norm=optax.global_norm(grads),
+                       learning_rate=jnp.asarray(schedule(state.step), jnp.float32))  # fmt: skip
+        return DrafterTrainState(params, opt_state, state.step + 1), metrics
+
+    return jax.jit(train_step, donate_argnums=0)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _config_metadata(target_config: ModelConfig) -> dict[str, Any]:
+    return drafter_config(target_config).to_hf_dict()
+
+
+class DrafterCheckpointer:
+    """Orbax checkpoints of `DrafterTrainState` only (never the policy's embed / head).
+
+    Every `checkpoint_every` steps (or when forced), keeping the last `keep_checkpoints`; each
+    checkpoint also records the drafter's architecture so a mismatched resume fails loudly.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        target_config: ModelConfig,
+        *,
+        keep: int = 3,
+        save_every: int = 1,
+        async_save: bool = True,
+    ):
+        self.directory = Path(directory).expanduser().absolute()
+        self._metadata = _config_metadata(target_config)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, save_interval_steps=save_every, create=True,
+            enable_async_checkpointing=async_save,
+        )  # fmt: skip
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, state: DrafterTrainState, *, force: bool = False) -> bool:
+        """Starts saving `state` at its step if due (or `force`); returns whether it saves."""
+        step = int(jax.device_get(state.step))
+        if step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self._metadata)
+        )
+        return self._manager.save(step, args=args, force=force)
+
+    def restore(self, like: DrafterTrainState, step: int | None = None) -> DrafterTrainState | None:
+        """The checkpointed state (latest unless `step`), laid out like `like`; None if none.
+
+        `like` may be abstract (`jax.eval_shape` of the initial state); leaves without a
+        sharding are restored onto the default device.
+
+        Raises:
+          ValueError: when the checkpoint belongs to a different drafter architecture.
+        """
+        step = self._manager.latest_step() if step is None else step
+        if step is None:
+            return None
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=getattr(x, "sharding", None) or default
+            ),
+            like,
+        )
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), config=ocp.args.JsonRestore()
+            ),
+        )
+        if restored.config != self._metadata:
+            diff = {k: (restored.config.get(k), v) for k, v in self._metadata.items()
+                    if restored.config.get(k) != v}  # fmt: skip
+            raise ValueError(
+                f"checkpoint {self.directory}/{step} is for another drafter: "
+                f"(checkpoint, expected) differ at {diff}"
+            )
+        return restored.state
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

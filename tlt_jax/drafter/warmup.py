@@ -1,0 +1,294 @@
+"""Drafter warm-up before RL: generate with the policy, harvest its features, train, export.
+
+Pipeline (TLT's offline EAGLE warm-up, on the policy's own outputs):
+
+1. Render the prompts exactly as the RL job does (tokenizer chat template over question +
+   instruction, `tlt_jax.data.pipeline.render_prompt`): drafter acceptance is sensitive to the
+   prompt prefix.
+2. Generate responses with the rollout engine (`generate_responses`, the one place that
+   touches the engine's API). Responses are cached in `workdir/responses.jsonl`, so a resumed
+   run skips generation.
+3. One policy forward over prompt + response per sample gives the final-norm features.
+4. Train the drafter on packed windows (orbax checkpoints in `workdir/checkpoints`, resumed
+   when present), then export an HF-style EAGLE directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from flax import nnx
+
+from tlt_jax.drafter.data import DrafterBuffer
+from tlt_jax.drafter.export import export_eagle
+from tlt_jax.drafter.trainer import (
+    DrafterCheckpointer,
+    DrafterTrainConfig,
+    DrafterTrainState,
+    init_train_state,
+    make_buffer,
+    make_train_step,
+)
+from tlt_jax.models.drafter import init_drafter
+from tlt_jax.models.transformer import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+    """Everything `run_warmup` needs besides the model and tokenizer."""
+
+    prompts: str  # JSONL: each line has "prompt" (question text) or "messages" (chat list)
+    workdir: str
+    export_dir: str | None = None  # default: workdir/eagle
+    instruction: str | None = None  # None: the RL data pipeline's default instruction
+    max_new_tokens: int = 1024
+    max_prompts: int | None = None
+    temperature: float = 0.0
+    generate_batch: int = 32
+    harvest_batch: int = 8
+    seed: int = 0
+    train: DrafterTrainConfig = DrafterTrainConfig()
+    log_every: int = 10
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "generate_batch", "harvest_batch", "log_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 1")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError(f"max_prompts={self.max_prompts!r} must be >= 1 or None")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature!r} must be >= 0")
+
+
+def read_prompt_records(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
+    """JSONL records with a "prompt" string or a "messages" chat list."""
+    records = []
+    with open(path) as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record.get("prompt"), str) and not isinstance(
+                record.get("messages"), list
+            ):
+                raise ValueError(f"{path}:{line_number} has neither 'prompt' nor 'messages'")
+            records.append(record)
+            if limit is not None and len(records) >= limit:
+                break
+    if not records:
+        raise ValueError(f"{path} holds no prompt records")
+    return records
+
+
+def encode_prompts(tokenizer, records: Sequence[dict], instruction: str | None) -> list[list[int]]:
+    """Token ids of every prompt, rendered the way the RL job renders them.
+
+    A "prompt" record goes through `render_prompt` (chat template over question +
+    instruction); a "messages" record through the chat template as given.
+    """
+    from tlt_jax.data.pipeline import DEFAULT_INSTRUCTION, render_prompt
+
+    instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
+    out = []
+    for record in records:
+        if "prompt" in record:
+            text = render_prompt(tokenizer, record["prompt"], instruction=instruction)
+        else:
+            text = tokenizer.apply_chat_template(
+                record["messages"], tokenize=False, add_generation_prompt=True
+            )
+        # A rendered chat template already holds its special tokens.
+        templated = bool(getattr(tokenizer, "chat_template", None))
+        out.append(list(tokenizer.encode(text, add_special_tokens=not templated)))
+    return out
+
+
+def generate_responses(
+    model: Transformer,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    temperature: float = 0.0,
+    max_batch_size: int = 32,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[list[int]]:
+    """Response token ids for every prompt, in order (the only use of the rollout engine)."""
+    from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+    from tlt_jax.rollout.sampling import SamplingParams
+
+    max_seq_len = max(len(p) for p in prompt_ids) + max_new_tokens
+    engine = RolloutEngine(
+        model, EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    )
+    sampling = SamplingParams(temperature=temperature, top_p=1.0, top_k=0)
+    requests = [
+        Request(prompt_ids=tuple(p), max_new_tokens=max_new_tokens, sampling=sampling,
+                stop_ids=tuple(stop_ids), seed=seed + i)
+        for i, p in enumerate(prompt_ids)
+    ]  # fmt: skip
+    return [list(c.token_ids) for c in engine.generate(requests, progress=progress)]
+
+
+def _bucket(n: int, minimum: int = 64) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+def harvest_features(
+    model: Transformer,
+    buffer: DrafterBuffer,
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    *,
+    step: int = 0,
+    batch_size: int = 8,
+) -> int:
+    """One policy forward over prompt + response per sample; features go into `buffer`.
+
+    Rows are right-padded to power-of-two lengths (few programs); the causal mask keeps the
+    padding out of the real tokens' features, and `valid_mask` drops it from the buffer.
+
+    Returns:
+      The number of samples stored.
+    """
+    graphdef, weights = nnx.split(model)
+
+    @jax.jit
+    def forward(weights, tokens_BxT, positions_BxT):
+        return nnx.merge(graphdef, weights)(tokens_BxT, positions_BxT)[0]
+
+    stored = 0
+    for begin in range(0, len(prompt_ids), batch_size):
+        prompts = prompt_ids[begin : begin + batch_size]
+        responses = response_ids[begin : begin + batch_size]
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+        t = _bucket(max(lengths))
+        tokens = np.zeros((batch_size, t), np.int32)
+        response_mask = np.zeros((batch_size, t), bool)
+        valid = np.zeros((batch_size, t), bool)
+        for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            tokens[row, : len(p) + len(r)] = list(p) + list(r)
+            response_mask[row, len(p) : len(p) + len(r)] = True
+            valid[row, : len(p) + len(r)] = True
+        positions = np.broadcast_to(np.arange(t, dtype=np.int32), (batch_size, t))
+        features = forward(weights, jnp.asarray(tokens), jnp.asarray(positions))
+        stored += buffer.add(tokens, features, response_mask, step, valid_mask=valid)
+    return stored
+
+
+def _cached_responses(path: Path, prompt_ids: list[list[int]], max_new_tokens: int):
+    """Responses saved by an earlier run for exactly these prompts and length, else None."""
+    if not path.is_file():
+        return None
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if len(lines) != len(prompt_ids) or any(
+        line["prompt_ids"] != p or line["max_new_tokens"] != max_new_tokens
+        for line, p in zip(lines, prompt_ids, strict=True)
+    ):
+        return None
+    return [line["response_ids"] for line in lines]
+
+
+def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps: int) -> Path:
+    """Generates, harvests, trains (resuming from `workdir`) and exports the drafter.
+
+    Args:
+      config: prompts, workdir, generation and training settings.
+      model: the policy.
+      tokenizer: its HF tokenizer (chat template, eos).
+      max_steps: train until the drafter's optimizer step count reaches this.
+
+    Returns:
+      The exported EAGLE directory.
+    """
+    workdir = Path(config.workdir).expanduser()
+    workdir.mkdir(parents=True, exist_ok=True)
+    records = read_prompt_records(config.prompts, config.max_prompts)
+    prompt_ids = encode_prompts(tokenizer, records, config.instruction)
+    cache_path = workdir / "responses.jsonl"
+    responses = _cached_responses(cache_path, prompt_ids, config.max_new_tokens)
+    if responses is None:
+        stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        responses = generate_responses(
+            model, prompt_ids, max_new_tokens=config.max_new_tokens, stop_ids=stop_ids,
+            temperature=config.temperature, max_batch_size=config.generate_batch,
+            seed=config.seed,
+        )  # fmt: skip
+        cache_path.write_text("".join(
+            json.dumps({"prompt_ids": p, "response_ids": r,
+                        "max_new_tokens": config.max_new_tokens}) + "\n"
+            for p, r in zip(prompt_ids, responses, strict=True)
+        ))  # fmt: skip
+    train = config.train
+    buffer = make_buffer(train, max_samples=len(prompt_ids))  # every sample is from step 0
+    stored = harvest_features(model, buffer, prompt_ids, responses,
+                              batch_size=config.harvest_batch)  # fmt: skip
+    logging.info("harvested %d samples (%d response tokens)", stored,
+                 sum(len(r) for r in responses))  # fmt: skip
+    state = train_drafter(model, buffer, train, workdir / "checkpoints", max_steps=max_steps,
+                          seed=config.seed, log_every=config.log_every)  # fmt: skip
+    export_dir = Path(config.export_dir) if config.export_dir else workdir / "eagle"
+    return export_eagle(state.params, model.config, export_dir)
+
+
+def train_drafter(
+    model: Transformer,
+    buffer: DrafterBuffer,
+    config: DrafterTrainConfig,
+    checkpoint_dir: str | os.PathLike,
+    *,
+    max_steps: int,
+    seed: int = 0,
+    log_every: int = 10,
+) -> DrafterTrainState:
+    """Trains a drafter on `buffer` to `max_steps`, resuming from `checkpoint_dir`.
+
+    Batches are drawn with `default_rng([seed, step])`, so a resumed run sees the batches the
+    uninterrupted run would have. Metrics of step t are read after step t+1 is dispatched.
+
+    Returns:
+      The final `DrafterTrainState` (also checkpointed).
+    """
+    checkpointer = DrafterCheckpointer(checkpoint_dir, model.config,
+                                       keep=config.keep_checkpoints)  # fmt: skip
+    fresh = lambda: init_train_state(init_drafter(model.config, seed).params_dict(), config)
+    # Resuming restores into the abstract state: no random initialisation runs.
+    state = checkpointer.restore(jax.eval_shape(fresh))
+    if state is None:
+        state = fresh()
+    else:
+        logging.info("resumed drafter training at step %d", int(state.step))
+    train_step = make_train_step(model.config, config)
+    embed_VxD, head_DxV = model.embed.get_value(), model.head_weight_DxV()
+    first = int(state.step)
+    pending = None
+    bar = tqdm.tqdm(total=max_steps, initial=first, desc="drafter", unit="step")
+    for step in range(first, max_steps):
+        batch = buffer.sample_batch(
+            np.random.default_rng([seed, step]), config.batch_rows, config.row_len
+        )
+        if batch is None:
+            raise ValueError("the drafter buffer holds no sample with response tokens")
+        state, metrics = train_step(state, batch, embed_VxD, head_DxV)
+        if pending is not None and (step - 1) % log_every == 0:
+            values = {k: float(v) for k, v in jax.device_get(pending).items()}
+            bar.set_postfix(loss=f"{values['loss']:.4f}", acc=f"{values['accuracy']:.3f}")
+            logging.info("drafter step %d: %s", step - 1, values)
+        pending = metrics
+        bar.update(1)
+        if (step + 1) % config.checkpoint_every == 0:
+            checkpointer.save(state)
+    bar.close()
+    checkpointer.save(state, force=True)
+    checkpointer.close()
+    return state
