@@ -4,7 +4,10 @@ r"""Batched generation with the rollout engine.
       --model smollm2-135m-instruct --max_new_tokens 128
 
 Each input line has `prompt` (raw text) or `messages` (chat, templated by the tokenizer); each
-output line has `index`, `text`, `token_ids`, `logprobs`, `finish_reason`, in input order.
+output line has `index`, `text`, `token_ids`, `logprobs`, `finish_reason`, `accepted_lengths`
+(one entry per speculative step), in input order. Speculative decoding with an EAGLE drafter:
+
+  python scripts/generate.py ... --drafter /path/to/eagle_dir --spec_strategy 8,4,48
 """
 
 from absl import app, flags
@@ -22,6 +25,9 @@ flags.DEFINE_integer("seed", 0, "Request i samples with seed + i.")
 flags.DEFINE_integer("max_batch_size", 32, "Concurrent requests (slots).")
 flags.DEFINE_integer("max_seq_len", 2048, "Prompt + generated tokens per request at most.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
+flags.DEFINE_string("drafter", "", "Exported HF-EAGLE drafter dir: speculative decoding on.")
+flags.DEFINE_string("spec_strategy", "8,4,48", "SD strategy depth,topk,verify_tokens.")
+flags.DEFINE_integer("spec_max_batch", 0, "SD only at <= this many running requests (0: always).")
 
 
 def main(argv):
@@ -31,6 +37,7 @@ def main(argv):
         model=f.model, prompts=f.prompts, output=f.output, max_new_tokens=f.max_new_tokens,
         temperature=f.temperature, top_p=f.top_p, top_k=f.top_k, seed=f.seed,
         max_batch_size=f.max_batch_size, max_seq_len=f.max_seq_len, dtype=f.dtype,
+        drafter=f.drafter, spec_strategy=f.spec_strategy, spec_max_batch=f.spec_max_batch,
     )  # fmt: skip
     summary = generate.run(config)
     print(
@@ -39,6 +46,9 @@ def main(argv):
         f"{summary['compile_count']} programs compiled in {summary['compile_seconds']:.1f}s) "
         f"-> {f.output}"
     )
+    if summary["spec_steps"]:
+        print(f"{summary['spec_steps']} speculative steps, mean accepted length "
+              f"{summary['mean_accepted_length']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ requests are prefilled into the free slots before the next step.
 Every device program is compiled ahead of time once per static shape key and kept in the
 engine's executable pool; steady-state generation never traces. `EngineStats` reports the
 compile count and compile seconds.
+
+With a drafter and a `SpecStrategy` a step is plain or speculative (`step_mode`; SD steps in
+`spec_engine.py`, programs in `speculative.py`). SD programs share the pool: drafts keyed by
+(batch, k, depth, kv), trees by (batch, k, depth, verify tokens), verifies by (batch, verify
+tokens, kv) only. Prefill also runs the drafter over the prompt.
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import KVCache, Transformer, write_kv
+from tlt_jax.rollout import speculative
 from tlt_jax.rollout.sampling import SamplingParams, choose_tokens
+from tlt_jax.rollout.spec_engine import SpeculativeSteps, check_drafter_fits, check_spec_settings
+from tlt_jax.rollout.speculative import DraftState, SpecStrategy
 
 # Bumped inside traced functions, so it counts traces (tests prove no retracing).
 TRACE_COUNTS: dict[str, int] = {}
@@ -64,6 +73,11 @@ class EngineConfig:
     max_prefill_batch: int = 8
     min_kv_bucket: int = 128
     min_prompt_bucket: int = 16
+    # Speculative decoding (needs a drafter): the strategy, the largest running batch that
+    # uses it (None: every batch), and the attention of the SD programs ("xla" | "pallas").
+    spec_strategy: SpecStrategy | None = None
+    spec_max_batch: int | None = None
+    spec_attention_impl: str = "xla"
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "max_prefill_batch", "min_kv_bucket",
@@ -71,6 +85,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"engine.{name}={value!r} must be a positive integer")
+        if isinstance(self.spec_strategy, str):
+            object.__setattr__(self, "spec_strategy", SpecStrategy.parse(self.spec_strategy))
+        check_spec_settings(self.spec_strategy, self.spec_max_batch, self.spec_attention_impl)
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:
@@ -136,6 +153,12 @@ class EngineStats:
     generated_tokens: int = 0
     # (wall time since generate() started, running requests) after every decode step.
     timeline: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    spec_steps: int = 0
+    # Drafter catch-ups when SD (re)starts after plain steps: calls, positions recomputed
+    # (one target forward plus one drafter layer each) and their wall time, waited for.
+    spec_switch_count: int = 0
+    spec_switch_tokens: int = 0
+    spec_switch_seconds: float = 0.0
 
 
 @struct.dataclass
@@ -149,9 +172,12 @@ class DecodeState:
     top_k: jax.Array  # [Bmax] int32
     top_p: jax.Array  # [Bmax] float32
     keys: jax.Array  # [Bmax] typed PRNG keys, one stream per request
+    draft: DraftState | None = None  # the drafter's cache and features (engines with a drafter)
 
     @classmethod
-    def create(cls, config, max_batch: int, max_len: int) -> DecodeState:
+    def create(cls, config, max_batch: int, max_len: int, drafter_config=None) -> DecodeState:
+        draft = None if drafter_config is None else DraftState.create(drafter_config, max_batch,
+                                                                       max_len)  # fmt: skip
         return cls(
             cache=KVCache.zeros(config, max_batch, max_len),
             lengths=jnp.zeros((max_batch,), jnp.int32),
@@ -160,6 +186,7 @@ class DecodeState:
             top_k=jnp.zeros((max_batch,), jnp.int32),
             top_p=jnp.ones((max_batch,), jnp.float32),
             keys=jax.random.split(jax.random.key(0), max_batch),
+            draft=draft,
         )
 
 
@@ -171,9 +198,13 @@ def _step_keys(keys_B: jax.Array, positions_B: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- programs
 
 
-def _prefill(graphdef, params, state: DecodeState, tokens_BxP, prompt_lens_B, slots_B,
-             temperature_B, top_k_B, top_p_B, seeds_B, *, greedy_only: bool):  # fmt: skip
-    """Runs prompts (right-padded) and writes their cache into `slots_B` (Bmax = unused row)."""
+def _prefill(graphdef, params, drafter_params, state: DecodeState, tokens_BxP, prompt_lens_B,
+             slots_B, temperature_B, top_k_B, top_p_B, seeds_B, *, greedy_only: bool,
+             drafter_config=None):  # fmt: skip
+    """Runs prompts (right-padded) and writes their cache into `slots_B` (Bmax = unused row).
+
+    With a drafter (`drafter_params` not None) its state for the slots is built too.
+    """
     _count_trace("prefill")
     model = nnx.merge(graphdef, params)
     b, p = tokens_BxP.shape
@@ -195,6 +226,12 @@ def _prefill(graphdef, params, state: DecodeState, tokens_BxP, prompt_lens_B, sl
     def put(arr, values):
         return arr.at[slots_B].set(values, mode="drop")
 
+    draft = state.draft
+    if drafter_params is not None:
+        draft = speculative.prefill_drafter(
+            drafter_params, drafter_config, model.embed.get_value(), draft, tokens_BxP, features,
+            prompt_lens_B, tokens, slots_B,
+        )  # fmt: skip
     state = DecodeState(
         cache=cache,
         lengths=put(state.lengths, prompt_lens_B),
@@ -203,6 +240,7 @@ def _prefill(graphdef, params, state: DecodeState, tokens_BxP, prompt_lens_B, sl
         top_k=put(state.top_k, top_k_B),
         top_p=put(state.top_p, top_p_B),
         keys=put(state.keys, keys),
+        draft=draft,
     )
     return state, tokens, logprobs
 
@@ -247,6 +285,7 @@ def _move_slot(state: DecodeState, src, dst, *, kv_len: int):
         top_k=move(state.top_k),
         top_p=move(state.top_p),
         keys=move(state.keys),
+        draft=None if state.draft is None else state.draft.moved(src, dst, kv_len=kv_len),
     )
 
 
@@ -258,9 +297,15 @@ class _Running:
     index: int
     request: Request
     completion: Completion
+    draft_len: int = 0  # positions the drafter has seen (in sync when = the cache length)
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens in the target cache: all but the pending last one."""
+        return len(self.request.prompt_ids) + len(self.completion.token_ids) - 1
 
 
-class RolloutEngine:
+class RolloutEngine(SpeculativeSteps):
     """Generates completions for many requests with continuous batching.
 
     The engine owns the decode state and an executable pool; the policy's weights are a
@@ -268,7 +313,14 @@ class RolloutEngine:
     and shardings), so a weight sync never recompiles.
     """
 
-    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(),
+                 drafter: Drafter | None = None):  # fmt: skip
+        """
+        Args:
+          model: the policy.
+          config: static sizes and the SD settings.
+          drafter: an EAGLE drafter of this policy (needed for `config.spec_strategy`).
+        """
         self.model_config = model.config
         self.config = config
         if config.max_seq_len > model.config.max_position_embeddings:
@@ -276,10 +328,18 @@ class RolloutEngine:
                 f"engine.max_seq_len={config.max_seq_len} exceeds the model's "
                 f"max_position_embeddings={model.config.max_position_embeddings}"
             )
+        if config.spec_strategy is not None and drafter is None:
+            raise ValueError(f"engine.spec_strategy={config.spec_strategy} needs a drafter; "
+                             "pass RolloutEngine(model, config, drafter=...)")  # fmt: skip
+        if drafter is not None:
+            check_drafter_fits(model.config, drafter.config)
+        self.drafter_config = None if drafter is None else drafter.config
+        self.drafter_params = None if drafter is None else drafter.params_dict()
         self.graphdef, self.params = nnx.split(model)
         self.stats = EngineStats()
         self._pool: dict[tuple, Callable] = {}
-        self.state = DecodeState.create(model.config, config.max_batch_size, config.max_seq_len)
+        self.state = DecodeState.create(model.config, config.max_batch_size, config.max_seq_len,
+                                        self.drafter_config)  # fmt: skip
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -321,11 +381,16 @@ class RolloutEngine:
             temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
             seeds[i] = np.uint32(run.request.seed & 0xFFFFFFFF)
         greedy = bool(np.all(temperature == 0))
-        args = (self.params, self.state, tokens, lens, slot_ids, temperature, top_k, top_p, seeds)
-        fn = functools.partial(_prefill, self.graphdef, greedy_only=greedy)
-        program = self._program(("prefill", b, p, greedy), fn, *args, donate=(1,))
+        args = (self.params, self.drafter_params, self.state, tokens, lens, slot_ids, temperature,
+                top_k, top_p, seeds)  # fmt: skip
+        fn = functools.partial(_prefill, self.graphdef, greedy_only=greedy,
+                               drafter_config=self.drafter_config)  # fmt: skip
+        program = self._program(("prefill", b, p, greedy), fn, *args, donate=(2,))
         self.state, next_tokens, logprobs = program(*args)
         self.stats.prefill_steps += 1
+        if self.drafter_params is not None:
+            for run in batch:
+                run.draft_len = len(run.request.prompt_ids)
         return np.asarray(next_tokens), np.asarray(logprobs)
 
     def _run_decode(self, running: list[_Running], max_len: int):
@@ -399,12 +464,16 @@ class RolloutEngine:
                 running = self._retire(running, done, now, bar)
             if not running:
                 continue
-            max_len = max(len(r.request.prompt_ids) + len(r.completion.token_ids) - 1
-                          for r in running)  # fmt: skip
-            tokens, logprobs = self._run_decode(running, max_len)
-            now = time.perf_counter()
-            for i, run in enumerate(running):
-                self._emit(run, int(tokens[i]), float(logprobs[i]))
+            max_len = max(r.cache_len for r in running)
+            strategy = self.step_mode(len(running))
+            if strategy is None:
+                tokens, logprobs = self._run_decode(running, max_len)
+                now = time.perf_counter()
+                for i, run in enumerate(running):
+                    self._emit(run, int(tokens[i]), float(logprobs[i]))
+            else:
+                self._spec_step(running, max_len, strategy)
+                now = time.perf_counter()
             self.stats.timeline.append((now - start, len(running)))
             running = self._retire(running, done, now, bar)
         if bar is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from tlt_jax.rollout.engine import Completion, EngineConfig, Request, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import SpecStrategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +28,18 @@ class GenerateConfig:
     max_batch_size: int = 32
     max_seq_len: int = 2048
     dtype: str = "float32"
+    drafter: str = ""  # an exported HF-EAGLE drafter directory: speculative decoding on
+    spec_strategy: str = "8,4,48"  # depth,topk,verify_tokens (used with a drafter)
+    spec_max_batch: int = 0  # SD only at or under this many running requests (0: always)
 
     def __post_init__(self):
         # SamplingParams and Request validate the rest with their own messages.
         SamplingParams(self.temperature, self.top_p, self.top_k)
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
+        SpecStrategy.parse(self.spec_strategy)
+        if self.spec_max_batch < 0:
+            raise ValueError(f"spec_max_batch={self.spec_max_batch} must be >= 0 (0: always)")
 
 
 def read_prompts(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -114,13 +121,21 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     tokenizer = checkpoints.load_tokenizer(config.model)
     requests = build_requests(tokenizer, rows, config)
     model = checkpoints.load_model(config.model, param_dtype=config.dtype, dtype=config.dtype)
+    drafter = None
+    if config.drafter:
+        from tlt_jax.drafter.export import load_eagle
+
+        drafter = load_eagle(config.drafter, param_dtype=config.dtype, dtype=config.dtype)
     engine = RolloutEngine(
         model,
         EngineConfig(
             max_batch_size=config.max_batch_size,
             max_seq_len=config.max_seq_len,
             max_prefill_batch=min(8, config.max_batch_size),
+            spec_strategy=SpecStrategy.parse(config.spec_strategy) if drafter else None,
+            spec_max_batch=config.spec_max_batch or None,
         ),  # fmt: skip
+        drafter=drafter,
     )
     engine.validate(requests)
     start = time.perf_counter()
@@ -139,4 +154,11 @@ def run(config: GenerateConfig) -> dict[str, Any]:
         "tokens_per_s": tokens / elapsed,
         "compile_count": engine.stats.compile_count,
         "compile_seconds": engine.stats.compile_seconds,
+        "spec_steps": engine.stats.spec_steps,
+        "mean_accepted_length": _mean([n for c in completions for n in c.accepted_lengths]),
+        "spec_switch_seconds": engine.stats.spec_switch_seconds,
     }
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

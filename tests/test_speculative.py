@@ -1,0 +1,516 @@
+"""Lossless tree speculative decoding: strategies, greedy parity, exact sampling distribution,
+KV commit, and the engine's SD mode (switching, stop tokens, max_new_tokens).
+
+Models are the tiny preset in float32 (untied head). An "aligned" drafter is built by hand: the
+target's second layer is switched off and its embeddings have unit RMS, so a drafter with
+fc = [I; 0] and a noisy copy of the target's first layer reproduces most of the target's
+computation (all but the first token, the final norm and the noise); acceptance lengths > 1
+really happen. The untrained drafter is a random init.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from tlt_jax.models.drafter import Drafter, drafter_forward, init_drafter
+from tlt_jax.models.presets import get_preset
+from tlt_jax.models.transformer import Transformer, init_model
+from tlt_jax.rollout import engine as engine_lib
+from tlt_jax.rollout import speculative
+from tlt_jax.rollout.acceptance import accept_tree
+from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams, filtered_logits
+from tlt_jax.rollout.speculative import SpecStrategy
+
+KV_LEN = 64
+ALIGNED = dict(attention=30.0, noise=0.03)  # mean acceptance about 2 of at most 3-4
+
+
+def aligned_pair(vocab: int = 256, seed: int = 0, noise: float = 0.0, attention: float = 1.0,
+                 logit_scale: float = 1.0) -> tuple[Transformer, Drafter]:  # fmt: skip
+    """A target whose next token the drafter predicts well (see the module docstring)."""
+    config = get_preset("tiny", vocab_size=vocab, tie_word_embeddings=False)
+    model = init_model(config, seed)
+    model.layers.o.set_value(model.layers.o.get_value() * attention)
+    embed = np.asarray(model.embed.get_value())
+    embed = embed / np.sqrt(np.mean(embed**2, axis=-1, keepdims=True))
+    model.embed.set_value(jnp.asarray(embed))
+    for name in ("o", "down"):  # layer 1 adds nothing: the target is its first layer
+        param = getattr(model.layers, name)
+        param.set_value(param.get_value().at[1].set(0.0))
+    model.final_norm.set_value(model.final_norm.get_value() * logit_scale)
+    drafter = init_drafter(config, seed + 1)
+    d = config.hidden_size
+    layers = {name: value[:1] for name, value in model.layers.stacked().items()
+              if name != "attn_norm"}  # fmt: skip
+    rng = np.random.default_rng(seed)
+    layers = {name: value + noise * rng.standard_normal(value.shape).astype(np.float32)
+              for name, value in layers.items()}  # fmt: skip
+    fc = jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=0)
+    drafter.load_params({"fc": fc, "layers": layers})
+    return model, drafter
+
+
+# ----------------------------------------------------------------------------- harness
+# The engine's SD programs at one fixed batch and kv size (one compile per static key).
+
+
+@functools.cache
+def _jit(fn, *args, **static):
+    return jax.jit(functools.partial(fn, *args, **static))
+
+
+def run_sd(model, drafter, prompts, strategy, min_tokens, *, sampling=None, seeds=None,
+           residual="exact", kv_len=KV_LEN, prompt_len=12):  # fmt: skip
+    """Greedy prefill, then SD steps (sampling with `sampling` if given) until every row has
+    emitted `min_tokens` tokens after the prefill token.
+
+    Returns:
+      (emitted tokens per row after the prefill token, prefill tokens, emitted counts
+      [steps, B], final state).
+    """
+    graphdef, params = nnx.split(model)
+    b = len(prompts)
+    tokens = np.zeros((b, prompt_len), np.int32)
+    for i, prompt in enumerate(prompts):
+        tokens[i, : len(prompt)] = prompt
+    lens = np.array([len(x) for x in prompts], np.int32)
+    seeds = np.arange(b, dtype=np.uint32) if seeds is None else seeds
+    zeros = np.zeros((b,), np.float32)
+    greedy = sampling is None
+    k, d, config = strategy.topk, strategy.depth, drafter.config
+    draft = _jit(speculative.draft_program, graphdef, config, batch=b, kv_len=kv_len, topk=k,
+                 depth=d)  # fmt: skip
+    tree = _jit(speculative.tree_program, batch=b, verify_tokens=strategy.verify_tokens, depth=d)
+    # Shared by strategies with the same verify count (the tree's shape), as in the engine.
+    verify = _jit(speculative.verify_program, graphdef, config, batch=b, kv_len=kv_len,
+                  greedy_only=greedy, residual=residual)  # fmt: skip
+    dparams = drafter.params_dict()
+    state = engine_lib.DecodeState.create(model.config, b, kv_len, config)
+    prefill = _jit(engine_lib._prefill, graphdef, greedy_only=True, drafter_config=config)
+    state, first, _ = prefill(
+        params, dparams, state, tokens, lens, np.arange(b, dtype=np.int32), zeros,
+        zeros.astype(np.int32), zeros + 1, seeds,
+    )  # fmt: skip
+    if sampling is not None:
+        state = state.replace(
+            temperature=jnp.full((b,), sampling.temperature, jnp.float32),
+            top_k=jnp.full((b,), sampling.top_k, jnp.int32),
+            top_p=jnp.full((b,), sampling.top_p, jnp.float32),
+        )
+    out = [[] for _ in range(b)]
+    counts_all = []
+    while min(len(o) for o in out) < min_tokens:
+        cands = draft(params, dparams, state)
+        state, emitted, _, counts = verify(params, dparams, state, tree(cands, state))
+        emitted, counts = np.asarray(emitted), np.asarray(counts)
+        for i in range(b):
+            out[i].extend(emitted[i, : counts[i]].tolist())
+        counts_all.append(counts)
+    return out, np.asarray(first), np.asarray(counts_all).reshape(-1, b), state
+
+
+def random_prompts(n, vocab, seed, low=3, high=12):
+    rng = np.random.default_rng(seed)
+    return [tuple(int(t) for t in rng.integers(0, vocab, size=rng.integers(low, high)))
+            for _ in range(n)]  # fmt: skip
+
+
+def plain_greedy(model, prompts, max_new_tokens):
+    config = EngineConfig(max_batch_size=len(prompts), max_prefill_batch=len(prompts),
+                          max_seq_len=KV_LEN, min_kv_bucket=KV_LEN)  # fmt: skip
+    requests = [Request(p, max_new_tokens) for p in prompts]
+    return [c.token_ids for c in RolloutEngine(model, config).generate(requests)]
+
+
+# ----------------------------------------------------------------------------- strategy
+
+
+def test_strategy_parse_and_validation():
+    assert SpecStrategy.parse("8,4,48") == SpecStrategy(depth=8, topk=4, verify_tokens=48)
+    assert SpecStrategy.parse("8_4_32") == SpecStrategy(8, 4, 32)
+    assert str(SpecStrategy(8, 4, 48)) == "8,4,48"
+    SpecStrategy(1, 1, 2)  # 1 drafted node fits k + 0 = 1
+    SpecStrategy(3, 2, 11)  # 10 = 2 + 2 * 4
+    with pytest.raises(ValueError, match=r"verify_tokens=12 .* = 10 \(depth=3, topk=2\)"):
+        SpecStrategy(3, 2, 12)
+    with pytest.raises(ValueError, match="verify_tokens=3"):
+        SpecStrategy(1, 1, 3)
+    for bad in ({"depth": 0}, {"topk": -1}, {"verify_tokens": 0}, {"depth": 2.0}):
+        name, value = next(iter(bad.items()))
+        with pytest.raises(ValueError, match=rf"spec_strategy.{name}={value!r}"):
+            SpecStrategy(**{"depth": 2, "topk": 2, "verify_tokens": 3, **bad})
+    with pytest.raises(ValueError, match="three integers"):
+        SpecStrategy.parse("8,4")
+    with pytest.raises(ValueError, match="spec_max_batch=0"):
+        EngineConfig(spec_max_batch=0)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        RolloutEngine(init_model(get_preset("tiny")), EngineConfig(max_seq_len=64,
+                      spec_strategy=SpecStrategy(2, 2, 3)))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- acceptance
+# A hand-made tree: root (token 5) -> node 1 (token 1) -> node 3 (token 3); root -> node 2
+# (token 2). Children are walked in index order.
+TREE_TOKENS = np.array([5, 1, 2, 3], np.int32)
+TREE_PARENTS = np.array([-1, 0, 0, 1], np.int32)
+NEG = -1e9
+
+
+def _accept(logits_BxTxV, temperature, residual="exact", seed=0):
+    b = logits_BxTxV.shape[0]
+    tile = lambda x: jnp.asarray(np.broadcast_to(x, (b, 4)))  # noqa: E731
+    fn = _jit(accept_tree, greedy_only=temperature == 0, residual=residual)
+    return fn(
+        jnp.asarray(logits_BxTxV, jnp.float32), tile(TREE_TOKENS), tile(TREE_PARENTS),
+        tile(np.array([10, 11, 11, 12])), jnp.full((b,), temperature, jnp.float32),
+        jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32),
+        jax.random.split(jax.random.key(seed), b),
+    )  # fmt: skip
+
+
+def test_accept_tree_greedy_by_hand():
+    logits = np.zeros((3, 4, 6), np.float32)
+    logits[0, 0, 2] = logits[0, 2, 4] = 5.0  # root -> node 2 (leaf) -> bonus 4
+    logits[1, 0, 1] = logits[1, 1, 3] = logits[1, 3, 0] = 5.0  # root -> 1 -> 3 -> bonus 0
+    logits[2, 0, 4] = 5.0  # the argmax is no child: correction 4
+    got = _accept(logits, 0.0)
+    np.testing.assert_array_equal(got.num_accepted_B, [1, 2, 0])
+    np.testing.assert_array_equal(got.tokens_BxT[0, :2], [2, 4])
+    np.testing.assert_array_equal(got.tokens_BxT[1, :3], [1, 3, 0])
+    np.testing.assert_array_equal(got.tokens_BxT[2, :1], [4])
+    np.testing.assert_array_equal(got.path_BxT[1, :3], [0, 1, 3])
+    top = np.log(np.exp(5.0) / (np.exp(5.0) + 5))
+    np.testing.assert_allclose(got.logprobs_BxT[1, :3], [top] * 3, atol=1e-6)
+
+
+@pytest.mark.parametrize("residual", ["exact", "buggy_no_removal"])
+def test_accept_tree_sampling_by_hand(residual):
+    """Root q: token 1 (child) 0.3, token 2 (child) 0.2, token 0 (no child) 0.5; node 1 always
+    continues to node 3, whose bonus is 0 or 1; node 2's bonus is 4. Exact outcome
+    probabilities: (1, 3, 0) 0.15, (1, 3, 1) 0.15, (2, 4) 0.2, (0,) 0.5."""
+    n = 16384
+    logits = np.full((n, 4, 6), NEG, np.float32)
+    logits[:, 0, [1, 2, 0]] = np.log([0.3, 0.2, 0.5])
+    logits[:, 1, 3] = 0.0
+    logits[:, 2, 4] = 0.0
+    logits[:, 3, [0, 1]] = 0.0
+    got = _accept(logits, 1.0, residual)
+    m, tokens = np.asarray(got.num_accepted_B), np.asarray(got.tokens_BxT)
+    slots = np.arange(4)[None, :]
+    emitted = np.where(slots <= m[:, None], tokens, -1)  # -1 pads after the last emitted
+    want = {(1, 3, 0): 0.15, (1, 3, 1): 0.15, (2, 4): 0.2, (0,): 0.5}
+    freq = {
+        key: np.mean(np.all(emitted == np.array(key + (-1,) * (4 - len(key))), axis=1))
+        for key in want
+    }
+    close = all(abs(freq[key] - p) < 4 * np.sqrt(p * (1 - p) / n) for key, p in want.items())
+    if residual == "exact":
+        assert close and abs(sum(freq.values()) - 1.0) < 1e-9, freq
+        np.testing.assert_allclose(
+            got.logprobs_BxT[m == 2, :3], np.log([[0.3, 1.0, 0.5]] * int((m == 2).sum())), rtol=1e-5
+        )
+    else:  # the correction also draws the rejected children: 1 and 2 come out too often
+        assert not close, freq
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+@pytest.fixture(scope="module")
+def aligned():
+    return aligned_pair(**ALIGNED)
+
+
+@pytest.fixture(scope="module")
+def untrained(aligned):
+    return aligned[0], init_drafter(aligned[0].config, 7)
+
+
+GREEDY_STRATEGIES = [
+    SpecStrategy(3, 2, 5),
+    SpecStrategy(1, 1, 1),  # verify_tokens 1: plain decoding through the SD programs
+    SpecStrategy(1, 3, 4),  # depth 1
+    SpecStrategy(4, 1, 5),  # topk 1: a chain
+]
+
+
+@pytest.mark.parametrize("strategy", GREEDY_STRATEGIES, ids=str)
+def test_greedy_sd_equals_plain_greedy(strategy, aligned, untrained):
+    model = aligned[0]
+    prompts = random_prompts(8, model.config.vocab_size, seed=3)
+    new_tokens = 16
+    want = plain_greedy(model, prompts, new_tokens + 1)
+    for name, (_, drafter) in {"aligned": aligned, "untrained": untrained}.items():
+        out, first, counts, _ = run_sd(model, drafter, prompts, strategy, new_tokens)
+        for i in range(len(prompts)):
+            got = [int(first[i])] + out[i][:new_tokens]
+            assert got == want[i], f"{name} drafter, {strategy}, prompt {i}"
+        if name == "aligned" and strategy.verify_tokens > 1:
+            assert counts.mean() > 1.5, (strategy, counts.mean())
+
+
+# ----------------------------------------------------------------------------- KV commit
+
+
+def _reference_states(model, drafter, sequences):
+    """Target K/V and features of full forwards, and the drafter's pairs over them."""
+    graphdef, params = nnx.split(model)
+    b, t = len(sequences), max(len(s) for s in sequences)
+    tokens = np.zeros((b, t), np.int32)
+    for i, seq in enumerate(sequences):
+        tokens[i, : len(seq)] = seq
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+
+    @jax.jit
+    def forward(params, dparams, tokens):
+        model = nnx.merge(graphdef, params)
+        features, new = model(tokens, positions)
+        next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+        g, dnew = drafter_forward(dparams, drafter.config, model.embed.get_value(), next_tokens,
+                                  features, positions)  # fmt: skip
+        return new, dnew, g
+
+    return forward(params, drafter.params_dict(), tokens)
+
+
+def test_kv_commit_matches_plain_cache(aligned):
+    """After SD steps the target cache below `lengths` holds what plain decoding would have
+    built for the same tokens, the drafter cache what the drafter computes over them, and the
+    drafter's next feature is its output at the last pair."""
+    model, drafter = aligned
+    prompts = random_prompts(8, model.config.vocab_size, seed=11)
+    out, first, counts, state = run_sd(model, drafter, prompts, SpecStrategy(3, 2, 5), 8)
+    assert counts.max() > 1
+    sequences = [list(p) + [int(f)] + o for p, f, o in zip(prompts, first, out, strict=True)]
+    lengths = np.asarray(state.lengths)
+    np.testing.assert_array_equal(lengths, [len(s) - 1 for s in sequences])
+    np.testing.assert_array_equal(np.asarray(state.draft.lengths), lengths)
+    np.testing.assert_array_equal(np.asarray(state.last_token), [s[-1] for s in sequences])
+    new, dnew, g = _reference_states(model, drafter, sequences)
+    for i, n in enumerate(lengths):
+        for got, want in (
+            (state.cache.k, new.k),
+            (state.cache.v, new.v),
+            (state.draft.cache.k, dnew.k),
+            (state.draft.cache.v, dnew.v),
+        ):
+            np.testing.assert_allclose(got[:, i, :n], want[:, i, :n], atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
+
+
+def test_drafter_catchup_after_plain_steps(aligned):
+    """Plain steps leave the drafter behind; the catch-up program rebuilds exactly its state."""
+    model, drafter = aligned
+    graphdef, params = nnx.split(model)
+    prompts = random_prompts(8, model.config.vocab_size, seed=5)
+    _, _, _, state = run_sd(model, drafter, prompts, SpecStrategy(3, 2, 5), 0)
+    start = np.asarray(state.lengths)
+    decode = jax.jit(functools.partial(engine_lib._decode, graphdef, batch=8, kv_len=KV_LEN,
+                                       greedy_only=True))  # fmt: skip
+    tokens = [np.asarray(state.last_token)]
+    for _ in range(7):
+        state, tok, _ = decode(params, state)
+        tokens.append(np.asarray(tok))
+    np.testing.assert_array_equal(np.asarray(state.draft.lengths), start)  # behind by 7
+    tokens = np.stack(tokens, axis=1)  # x[start .. start + 7]
+    t = 16
+    pad = np.zeros((8, t - 7), np.int32)
+    catchup = jax.jit(functools.partial(speculative.catchup_program, graphdef, drafter.config,
+                                        batch=8, kv_len=KV_LEN))  # fmt: skip
+    state = catchup(
+        params,
+        drafter.params_dict(),
+        state,
+        np.concatenate([tokens[:, :7], pad], 1),
+        np.concatenate([tokens[:, 1:], pad], 1),
+        np.full((8,), 7, np.int32),
+    )
+    np.testing.assert_array_equal(np.asarray(state.draft.lengths), start + 7)
+    sequences = [list(p) + tokens[i].tolist() for i, p in enumerate(prompts)]
+    _, dnew, g = _reference_states(model, drafter, sequences)
+    for i, n in enumerate(start + 7):
+        np.testing.assert_allclose(state.draft.cache.k[:, i, :n], dnew.k[:, i, :n], atol=2e-5,
+                                   rtol=1e-4)  # fmt: skip
+        np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
+
+
+def test_pallas_attention_matches_xla(aligned):
+    """The SD programs with the Pallas tree-attention kernel (interpret mode on CPU)."""
+    model, drafter = aligned
+    graphdef, params = nnx.split(model)
+    prompts = random_prompts(8, model.config.vocab_size, seed=13)
+    _, _, _, state = run_sd(model, drafter, prompts, SpecStrategy(3, 2, 5), 4)
+    dparams, results = drafter.params_dict(), []
+    for impl in ("xla", "pallas"):
+        draft = jax.jit(functools.partial(speculative.draft_program, graphdef, drafter.config,
+                                          batch=8, kv_len=KV_LEN, topk=2, depth=3,
+                                          attention_impl=impl))  # fmt: skip
+        cands = draft(params, dparams, state)
+        tree = _jit(speculative.tree_program, batch=8, verify_tokens=5, depth=3)(cands, state)
+        verify = jax.jit(functools.partial(speculative.verify_program, graphdef, drafter.config,
+                                           batch=8, kv_len=KV_LEN, greedy_only=True,
+                                           attention_impl=impl))  # fmt: skip
+        results.append((cands, *verify(params, dparams, state, tree)))
+    (cx, sx, tx, lx, nx), (cp, sp, tp, lp, np_) = results
+    np.testing.assert_array_equal(cx.tokens_BxC, cp.tokens_BxC)
+    np.testing.assert_array_equal(nx, np_)
+    np.testing.assert_array_equal(tx, tp)
+    np.testing.assert_allclose(lx, lp, atol=1e-5)
+    np.testing.assert_allclose(sx.cache.k, sp.cache.k, atol=1e-5)
+    np.testing.assert_allclose(sx.draft.feature, sp.draft.feature, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+@pytest.fixture(scope="module")
+def engines(aligned):
+    """One SD engine (SD at <= 1 running request) whose plain mode is the reference."""
+    model, drafter = aligned
+    config = EngineConfig(max_batch_size=2, max_prefill_batch=2, max_seq_len=KV_LEN,
+                          min_kv_bucket=KV_LEN, spec_strategy=SpecStrategy(3, 2, 6),
+                          spec_max_batch=1)  # fmt: skip
+    sd = RolloutEngine(model, config, drafter=drafter)
+    plain = RolloutEngine(model, config, drafter=drafter)
+    plain.step_mode = lambda num_running: None  # the hook: plain decoding only
+    return sd, plain
+
+
+def _requests(prompts, second: dict):
+    return [Request(prompts[0], 6), Request(prompts[1], **{"max_new_tokens": 40, **second})]
+
+
+def test_engine_switches_to_sd_and_matches_plain(engines, aligned):
+    sd, plain = engines
+    prompts = random_prompts(2, aligned[0].config.vocab_size, seed=21)
+    want = plain.generate(_requests(prompts, {}))
+    got = sd.generate(_requests(prompts, {}))
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+        assert g.finish_reason == w.finish_reason == "length"
+    # Request 0 ran with two requests (plain); request 1 switched to SD when it was alone,
+    # after 1 prefill token + 5 plain tokens: the drafter caught up on those 5 positions.
+    assert got[0].accepted_lengths == []
+    assert sd.stats.spec_switch_count == 1 and sd.stats.spec_switch_tokens == 5
+    assert sd.stats.spec_switch_seconds > 0
+    assert sum(got[1].accepted_lengths) == 40 - 6 + _trimmed(got[1])
+    assert np.mean(got[1].accepted_lengths) > 1.5
+    assert plain.stats.spec_steps == 0 and sd.stats.spec_steps == len(got[1].accepted_lengths)
+
+
+def _trimmed(completion) -> int:
+    return sum(completion.accepted_lengths) + 6 - len(completion.token_ids)
+
+
+def test_engine_stop_token_and_max_new_tokens_inside_accepted_run(engines, aligned):
+    sd, _ = engines
+    prompts = random_prompts(2, aligned[0].config.vocab_size, seed=21)
+    full = sd.generate(_requests(prompts, {}))[1]
+    tokens = full.token_ids
+    starts = 6 + np.cumsum([0] + full.accepted_lengths[:-1])  # first token of each SD step
+    runs = [int(s) for s, n in zip(starts, full.accepted_lengths, strict=True)
+            if n >= 2 and tokens[s] not in tokens[:s]]  # fmt: skip
+    assert runs, "no multi-token SD step with a fresh first token"
+    j = runs[0]
+    compiled = sd.stats.compile_count
+    # A stop token that is the first of a multi-token step: the rest of the run is dropped.
+    stopped = sd.generate(_requests(prompts, {"stop_ids": (tokens[j],)}))[1]
+    assert stopped.token_ids == tokens[: j + 1] and stopped.finish_reason == "stop"
+    assert stopped.accepted_lengths[-1] >= 2 and _trimmed(stopped) >= 1
+    # max_new_tokens ending inside a multi-token step: met exactly.
+    cut = sd.generate(_requests(prompts, {"max_new_tokens": j + 1}))[1]
+    assert cut.token_ids == tokens[: j + 1] and cut.finish_reason == "length"
+    assert len(cut.logprobs) == j + 1 and _trimmed(cut) >= 1
+    assert sd.stats.compile_count == compiled  # steady state: the pool has every program
+
+
+# ----------------------------------------------------------------------------- sampling
+
+SAMPLE_ROWS = 4096
+SAMPLE_STRATEGY = SpecStrategy(3, 3, 8)
+SETTINGS = {"t1": SamplingParams(temperature=1.0), "t07p09": SamplingParams(0.7, top_p=0.9)}
+NEGATIVE_CASES = {("aligned", "t07p09"), ("untrained", "t1")}
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """A 12-token target with an aligned and an untrained drafter."""
+    model, drafter = aligned_pair(vocab=12, logit_scale=8.0, **ALIGNED)
+    return model, {"aligned": drafter, "untrained": init_drafter(model.config, 9)}
+
+
+def exact_sequence_probs(model, context, sampling, length=3):
+    """P(next `length` tokens) by enumeration with full forwards: [V] * length array."""
+    vocab = model.config.vocab_size
+    grid = np.stack(np.meshgrid(*[np.arange(vocab)] * length, indexing="ij"), -1)
+    grid = grid.reshape(-1, length)
+    tokens = np.concatenate([np.broadcast_to(context, (len(grid), len(context))), grid], axis=1)
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    features, _ = model(jnp.asarray(tokens, jnp.int32), jnp.asarray(positions))
+    logits = model.logits(features)[:, len(context) - 1 : -1]  # [R, length, V]
+    flat = logits.reshape(-1, vocab)
+    n = flat.shape[0]
+    q = jax.nn.softmax(filtered_logits(
+        flat, jnp.full((n,), sampling.temperature), jnp.full((n,), sampling.top_k, jnp.int32),
+        jnp.full((n,), sampling.top_p)), axis=-1).reshape(len(grid), length, vocab)  # fmt: skip
+    probs = np.take_along_axis(np.asarray(q), grid[:, :, None], axis=-1)[..., 0].prod(-1)
+    return probs.reshape((vocab,) * length)
+
+
+def chi_square_pvalue(counts, probs, min_expected=5.0):
+    """Pearson chi-square of counts against probs; cells expected below 5 are pooled."""
+    counts, expected = counts.ravel(), probs.ravel() * counts.sum()
+    small = expected < min_expected
+    observed = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    statistic = np.sum((observed[keep] - expected[keep]) ** 2 / expected[keep])
+    return stats.chi2.sf(statistic, keep.sum() - 1), observed[keep].sum() - observed[keep][-1]
+
+
+def sd_samples(model, drafter, sampling, residual):
+    prompt = (3, 7, 1, 10)
+    out, first, counts, _ = run_sd(
+        model, drafter, [prompt] * SAMPLE_ROWS, SAMPLE_STRATEGY, 3, sampling=sampling,
+        seeds=np.arange(SAMPLE_ROWS, dtype=np.uint32) + 1000, residual=residual, kv_len=32,
+        prompt_len=4,
+    )  # fmt: skip
+    samples = np.array([o[:3] for o in out])
+    return prompt + (int(first[0]),), samples, counts
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("drafter_name", ["aligned", "untrained"])
+def test_sampling_distribution_equals_target(small_vocab, drafter_name, setting):
+    """Next-token and 3-token frequencies of SD match the target's exact probabilities
+    (chi-square p > 1e-4 over 4096 rows; fixed seeds), while the residual that forgets to
+    remove the tried children fails the same check (p < 1e-6)."""
+    model, drafters = small_vocab
+    sampling = SETTINGS[setting]
+    vocab = model.config.vocab_size
+    context, samples, counts = sd_samples(model, drafters[drafter_name], sampling, "exact")
+    probs = exact_sequence_probs(model, np.array(context), sampling)
+    first_counts = np.bincount(samples[:, 0], minlength=vocab)
+    seq_counts = np.bincount(np.ravel_multi_index(samples.T, (vocab,) * 3),
+                             minlength=vocab**3)  # fmt: skip
+    p_first, _ = chi_square_pvalue(first_counts, probs.sum((1, 2)))
+    p_seq, _ = chi_square_pvalue(seq_counts, probs)
+    tv = 0.5 * np.abs(first_counts / SAMPLE_ROWS - probs.sum((1, 2))).sum()
+    assert p_first > 1e-4 and p_seq > 1e-4, (p_first, p_seq, tv)
+    assert tv < 0.03
+    assert counts[0].mean() > 1.3, counts[0].mean()  # multi-token acceptance happens
+    if (drafter_name, setting) not in NEGATIVE_CASES:
+        return
+    _, buggy, _ = sd_samples(model, drafters[drafter_name], sampling, "buggy_no_removal")
+    buggy_first = np.bincount(buggy[:, 0], minlength=vocab)
+    p_buggy, _ = chi_square_pvalue(buggy_first, probs.sum((1, 2)))
+    assert p_buggy < 1e-6, p_buggy

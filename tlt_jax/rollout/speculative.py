@@ -1,0 +1,281 @@
+"""Lossless tree speculative decoding: strategy, drafter state and the engine's SD programs.
+
+Dimension legend: B batch (slots), T tree nodes (verify tokens), C draft candidates, P prompt
+length, S kv length, L layers, K kv heads, H head dim, D model, V vocab.
+
+One SD step over the first `batch` slots of the engine's `DecodeState` is three programs:
+
+1. `draft_program` (batch, k, depth, kv): EAGLE-2 candidates (`draft_tree.draft_candidates`).
+2. `tree_program` (batch, k, depth, T): the T-node tree (`draft_tree.build_tree`).
+3. `verify_program` (batch, T, kv): one target forward over B x T tokens with the tree mask,
+   acceptance (`acceptance.accept_tree`), then the commit: the accepted path's keys and values
+   are scattered into the target cache at positions lengths .. lengths + m (nothing else is
+   written and lengths grow by m + 1, so rejected branches are never readable), and the drafter
+   runs over the accepted path with the target's features of that path (EAGLE's draft-extend),
+   which extends its cache by the same m + 1 pairs and predicts the next root's feature.
+
+Drafter state is in sync for a slot when its `DraftState.lengths` equals the target's lengths.
+Prefill puts it in sync (`prefill_drafter`, one drafter layer over the prompt); plain decode
+steps leave it behind; `catchup_program` brings slots back by recomputing the target features of
+the missing positions (one target forward over those tokens against the target cache) and
+running the drafter over them: the cost of switching a running batch into SD mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import DrafterParams, drafter_forward
+from tlt_jax.models.transformer import KVCache, NewKV
+from tlt_jax.rollout.acceptance import accept_tree
+from tlt_jax.rollout.draft_tree import Candidates, DraftTree, build_tree, draft_candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecStrategy:
+    """A tree SD strategy: draft depth, top-k per expanded node, tokens verified (root included).
+
+    `verify_tokens - 1` drafted nodes must fit in the candidates: `topk + (depth - 1) * topk**2`.
+    """
+
+    depth: int
+    topk: int
+    verify_tokens: int
+
+    def __post_init__(self):
+        for name in ("depth", "topk", "verify_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"spec_strategy.{name}={value!r} must be an integer >= 1")
+        if self.verify_tokens - 1 > self.num_candidates:
+            raise ValueError(
+                f"spec_strategy verify_tokens={self.verify_tokens} needs verify_tokens - 1 <= "
+                f"topk + (depth - 1) * topk**2 = {self.topk} + ({self.depth} - 1) * "
+                f"{self.topk}**2 = {self.num_candidates} (depth={self.depth}, topk={self.topk})"
+            )
+
+    @property
+    def num_candidates(self) -> int:
+        return self.topk + (self.depth - 1) * self.topk**2
+
+    @classmethod
+    def parse(cls, text: str) -> SpecStrategy:
+        """'depth,topk,verify_tokens', e.g. '8,4,48' (TLT's '8_4_48' also accepted)."""
+        parts = re.split(r"[,_]", text.strip())
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(
+                f"spec_strategy {text!r} must be three integers 'depth,topk,verify_tokens', "
+                "e.g. '8,4,48'"
+            )
+        depth, topk, verify = (int(p) for p in parts)
+        return cls(depth=depth, topk=topk, verify_tokens=verify)
+
+    def __str__(self) -> str:
+        return f"{self.depth},{self.topk},{self.verify_tokens}"
+
+
+@struct.dataclass
+class DraftState:
+    """The drafter's part of the decode state (donated with it)."""
+
+    cache: KVCache  # k, v: [1, Bmax, Smax, K, H], pair (x[p+1], f[p]) at position p
+    lengths: jax.Array  # [Bmax] int32, pairs in the cache (= target lengths when in sync)
+    feature: jax.Array  # [Bmax, D] drafter output at the last pair: predicted f[lengths]
+
+    @classmethod
+    def create(cls, config: ModelConfig, max_batch: int, max_len: int) -> DraftState:
+        return cls(
+            cache=KVCache.zeros(config, max_batch, max_len),
+            lengths=jnp.zeros((max_batch,), jnp.int32),
+            feature=jnp.zeros((max_batch, config.hidden_size), config.jnp_dtype),
+        )
+
+    def moved(self, src, dst, *, kv_len: int) -> DraftState:
+        """Slot `src` (its first kv_len positions) copied into slot `dst` (engine compaction)."""
+
+        def move_cache(arr):
+            row = jax.lax.dynamic_slice_in_dim(arr, src, 1, axis=1)[:, :, :kv_len]
+            return jax.lax.dynamic_update_slice(arr, row, (0, dst, 0, 0, 0))
+
+        return DraftState(
+            cache=KVCache(k=move_cache(self.cache.k), v=move_cache(self.cache.v)),
+            lengths=self.lengths.at[dst].set(self.lengths[src]),
+            feature=self.feature.at[dst].set(self.feature[src]),
+        )
+
+
+def commit_kv(cache: KVCache, new: NewKV, rows_BxA: jax.Array, start_B: jax.Array,
+              count_B: jax.Array) -> KVCache:  # fmt: skip
+    """Writes `new` rows `rows_BxA[b, :count_B[b]]` at positions start_B[b] + 0, 1, ...
+
+    Only those positions change: the rest of each row (and positions past the buffer) is
+    dropped from the scatter.
+    """
+    b, a = rows_BxA.shape
+    index = rows_BxA[None, :, :, None, None]
+    slots = jnp.arange(a, dtype=jnp.int32)[None, :]
+    positions = jnp.where(slots < count_B[:, None], start_B[:, None] + slots, cache.length)
+    batch = jnp.arange(b)[:, None]
+
+    def write(cache_arr, new_arr):
+        rows = jnp.take_along_axis(new_arr, index, axis=2).astype(cache_arr.dtype)
+        return cache_arr.at[:, batch, positions].set(rows, mode="drop")
+
+    return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v))
+
+
+def _extend_drafter(params, config, embed_VxD, draft: DraftState, next_tokens_BxA,
+                    features_BxAxD, start_B, count_B, *, batch: int, kv_len: int,
+                    attention_impl: str = "xla") -> DraftState:  # fmt: skip
+    """Appends pairs (next_tokens[a], features[a]) at start + a for a < count (rows < batch)."""
+    a = next_tokens_BxA.shape[1]
+    positions = start_B[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]
+    g_BxAxD, new = drafter_forward(
+        params, config, embed_VxD, next_tokens_BxA, features_BxAxD, positions,
+        cache=draft.cache.view(batch, kv_len), cache_lens_B=start_B,
+        attention_impl=attention_impl,
+    )  # fmt: skip
+    rows = jnp.broadcast_to(jnp.arange(a, dtype=jnp.int32), (batch, a))
+    last = jnp.take_along_axis(g_BxAxD, jnp.maximum(count_B - 1, 0)[:, None, None], axis=1)[:, 0]
+    moved = count_B > 0
+    feature = jnp.where(moved[:, None], last.astype(draft.feature.dtype), draft.feature[:batch])
+    return DraftState(
+        cache=commit_kv(draft.cache, new, rows, start_B, count_B),
+        lengths=draft.lengths.at[:batch].set(
+            jnp.where(moved, start_B + count_B, draft.lengths[:batch])
+        ),  # fmt: skip
+        feature=draft.feature.at[:batch].set(feature),
+    )
+
+
+def prefill_drafter(params: DrafterParams, config: ModelConfig, embed_VxD: jax.Array,
+                    draft: DraftState, tokens_BxP: jax.Array, features_BxPxD: jax.Array,
+                    prompt_lens_B: jax.Array, first_tokens_B: jax.Array,
+                    slots_B: jax.Array) -> DraftState:  # fmt: skip
+    """The drafter over freshly prefilled prompts: pairs (x[p+1], f[p]) for p < prompt_len.
+
+    Args:
+      params / config: the drafter's.
+      embed_VxD: the policy's embedding.
+      draft: the engine's drafter state.
+      tokens_BxP / features_BxPxD: the right-padded prompts and their target features.
+      prompt_lens_B: prompt lengths; first_tokens_B: the token sampled after each prompt.
+      slots_B: destination slots (out of range: dropped), as in the engine's prefill.
+
+    Returns:
+      The drafter state with those slots in sync (lengths = prompt lengths).
+    """
+    b, p = tokens_BxP.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    next_tokens = jnp.concatenate([tokens_BxP[:, 1:], jnp.zeros((b, 1), tokens_BxP.dtype)], 1)
+    next_tokens = jnp.where(positions == prompt_lens_B[:, None] - 1, first_tokens_B[:, None],
+                            next_tokens)  # fmt: skip
+    g_BxPxD, new = drafter_forward(params, config, embed_VxD, next_tokens, features_BxPxD,
+                                   positions)  # fmt: skip
+    last = jnp.take_along_axis(g_BxPxD, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
+    cache = draft.cache
+    return DraftState(
+        cache=KVCache(
+            k=cache.k.at[:, slots_B, :p].set(new.k.astype(cache.k.dtype), mode="drop"),
+            v=cache.v.at[:, slots_B, :p].set(new.v.astype(cache.v.dtype), mode="drop"),
+        ),
+        lengths=draft.lengths.at[slots_B].set(prompt_lens_B, mode="drop"),
+        feature=draft.feature.at[slots_B].set(last.astype(draft.feature.dtype), mode="drop"),
+    )
+
+
+# ----------------------------------------------------------------------------- programs
+# Each takes the target's (graphdef, params) and the engine's `DecodeState` (`state.draft` is
+# a `DraftState`); static keywords are bound with functools.partial before AOT compilation.
+
+
+def draft_program(graphdef, drafter_config: ModelConfig, params, drafter_params, state, *,
+                  batch: int, kv_len: int, topk: int, depth: int,
+                  attention_impl: str = "xla") -> Candidates:  # fmt: skip
+    """Candidates of the first `batch` slots (reads the state, writes nothing)."""
+    model = nnx.merge(graphdef, params)
+    draft = state.draft
+    return draft_candidates(
+        drafter_params, drafter_config, model.embed.get_value(), model.head_weight_DxV(),
+        draft.cache.view(batch, kv_len), draft.lengths[:batch], draft.feature[:batch],
+        topk=topk, depth=depth, attention_impl=attention_impl,
+    )  # fmt: skip
+
+
+def tree_program(candidates: Candidates, state, *, batch: int, verify_tokens: int,
+                 depth: int) -> DraftTree:  # fmt: skip
+    """The verification tree of the first `batch` slots."""
+    return build_tree(candidates, state.last_token[:batch], state.lengths[:batch],
+                      verify_tokens=verify_tokens, max_depth=depth)  # fmt: skip
+
+
+def verify_program(graphdef, drafter_config: ModelConfig, params, drafter_params, state,
+                   tree: DraftTree, *, batch: int, kv_len: int, greedy_only: bool,
+                   attention_impl: str = "xla", residual: str = "exact"):  # fmt: skip
+    """Verifies, accepts and commits one tree per slot in [0, batch).
+
+    Returns:
+      (state, tokens_BxT, logprobs_BxT, num_emitted_B): the emitted tokens are
+      `tokens[b, :num_emitted[b]]` (accepted drafts, then the correction or bonus token), with
+      their logprobs under the target; the state's lengths grew by num_emitted, `last_token`
+      is the last emitted token and the drafter is in sync.
+    """
+    model = nnx.merge(graphdef, params)
+    lengths = state.lengths[:batch]
+    features_BxTxD, new = model(
+        tree.tokens_BxT, tree.positions_BxT, mask_BxTxT=tree.mask_BxTxT,
+        cache=state.cache.view(batch, kv_len), cache_lens_B=lengths,
+        attention_impl=attention_impl,
+    )  # fmt: skip
+    logits_BxTxV = model.logits(features_BxTxD)
+    result = accept_tree(
+        logits_BxTxV, tree.tokens_BxT, tree.parents_BxT, tree.positions_BxT,
+        state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
+        state.keys[:batch], greedy_only=greedy_only, residual=residual,
+    )  # fmt: skip
+    count_B = result.num_accepted_B + 1
+    path_features = jnp.take_along_axis(features_BxTxD, result.path_BxT[..., None], axis=1)
+    draft = _extend_drafter(
+        drafter_params, drafter_config, model.embed.get_value(), state.draft, result.tokens_BxT,
+        path_features, lengths, count_B, batch=batch, kv_len=kv_len,
+        attention_impl=attention_impl,
+    )  # fmt: skip
+    last_token = jnp.take_along_axis(result.tokens_BxT, (count_B - 1)[:, None], axis=1)[:, 0]
+    state = state.replace(
+        cache=commit_kv(state.cache, new, result.path_BxT, lengths, count_B),
+        lengths=state.lengths.at[:batch].add(count_B),
+        last_token=state.last_token.at[:batch].set(last_token),
+        draft=draft,
+    )
+    return state, result.tokens_BxT, result.logprobs_BxT, count_B
+
+
+def catchup_program(graphdef, drafter_config: ModelConfig, params, drafter_params, state,
+                    tokens_BxT, next_tokens_BxT, counts_B, *, batch: int, kv_len: int,
+                    attention_impl: str = "xla"):  # fmt: skip
+    """Brings the drafter of slots [0, batch) in sync with the target.
+
+    Row b's drafter holds `state.draft.lengths[b]` = a pairs; `tokens_BxT[b, :counts[b]]` are
+    the sequence's tokens x[a ..] up to the target length and `next_tokens_BxT` the same shifted
+    by one (ending with the pending token). The target's features of those positions are
+    recomputed (one forward against the target cache, which is not written) and the drafter
+    appends their pairs. Rows with count 0 are left alone.
+    """
+    model = nnx.merge(graphdef, params)
+    starts = state.draft.lengths[:batch]
+    t = tokens_BxT.shape[1]
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    features_BxTxD, _ = model(tokens_BxT, positions, cache=state.cache.view(batch, kv_len),
+                              cache_lens_B=starts, attention_impl=attention_impl)  # fmt: skip
+    draft = _extend_drafter(
+        drafter_params, drafter_config, model.embed.get_value(), state.draft, next_tokens_BxT,
+        features_BxTxD, starts, counts_B, batch=batch, kv_len=kv_len,
+        attention_impl=attention_impl,
+    )  # fmt: skip
+    return state.replace(draft=draft)
