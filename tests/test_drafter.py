@@ -11,6 +11,7 @@ from flax import nnx
 
 from tlt_jax.drafter.data import DrafterBuffer, cut_window, pack_windows
 from tlt_jax.drafter.export import export_eagle, load_eagle
+from tlt_jax.drafter.hot_vocab import load_hot_vocab, load_token_counts
 from tlt_jax.drafter.loss import eagle_inputs, eagle_loss, smooth_l1
 from tlt_jax.drafter.trainer import (
     DrafterCheckpointer,
@@ -386,6 +387,10 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
                                  train=train)  # fmt: skip
     out = warmup.run_warmup(config, policy, _ByteTokenizer(), max_steps=3)
     assert load_eagle(out).config == drafter_config(CONFIG)
+    # Response i holds ids 3i+1 .. 3i+20: ids 13 .. 20 occur in all five (ties: lower id first).
+    counts = load_token_counts(out, V)
+    assert counts.sum() == 5 * 20 and counts[13] == 5 and counts[0] == 0
+    assert load_hot_vocab(out, 3, V).tolist() == [13, 14, 15]
     out = warmup.run_warmup(config, policy, _ByteTokenizer(), max_steps=5)
     assert calls == [5]  # the second run reused the cached responses
     steps = sorted(int(p.name) for p in (tmp_path / "work" / "checkpoints").iterdir())

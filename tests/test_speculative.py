@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from scipy import stats
 
+from tlt_jax.drafter.hot_vocab import count_tokens, hot_token_ids
 from tlt_jax.models.drafter import Drafter, drafter_forward, init_drafter
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import Transformer, init_model
@@ -68,7 +69,7 @@ def _jit(fn, *args, **static):
 
 
 def run_sd(model, drafter, prompts, strategy, min_tokens, *, sampling=None, seeds=None,
-           residual="exact", kv_len=KV_LEN, prompt_len=12):  # fmt: skip
+           residual="exact", kv_len=KV_LEN, prompt_len=12, hot_token_ids=None):  # fmt: skip
     """Greedy prefill, then SD steps (sampling with `sampling` if given) until every row has
     emitted `min_tokens` tokens after the prefill token.
 
@@ -108,7 +109,9 @@ def run_sd(model, drafter, prompts, strategy, min_tokens, *, sampling=None, seed
     out = [[] for _ in range(b)]
     counts_all = []
     while min(len(o) for o in out) < min_tokens:
-        cands = draft(params, dparams, state)
+        cands = draft(params, dparams, state, hot_token_ids)
+        if hot_token_ids is not None:  # every drafted token is a hot one
+            assert np.isin(np.asarray(cands.tokens_BxC), hot_token_ids).all()
         state, emitted, _, counts = verify(params, dparams, state, tree(cands, state))
         emitted, counts = np.asarray(emitted), np.asarray(counts)
         for i in range(b):
@@ -255,6 +258,28 @@ def test_greedy_sd_equals_plain_greedy(strategy, aligned, untrained):
             assert got == want[i], f"{name} drafter, {strategy}, prompt {i}"
         if name == "aligned" and strategy.verify_tokens > 1:
             assert counts.mean() > 1.5, (strategy, counts.mean())
+
+
+def test_greedy_sd_with_hot_vocab_equals_plain_greedy(aligned):
+    """Drafting among a hot vocabulary leaves greedy output unchanged: with the target's
+    frequent tokens acceptance stays high, with tokens it never emits nothing is accepted."""
+    model, drafter = aligned
+    vocab = model.config.vocab_size
+    prompts = random_prompts(8, vocab, seed=3)
+    new_tokens = 16
+    want = plain_greedy(model, prompts, new_tokens + 1)
+    counts = count_tokens(want, vocab)
+    hot = {"frequent": hot_token_ids(counts, 64), "cold": np.flatnonzero(counts == 0)[:8]}
+    assert hot["frequent"][0] == np.argmax(counts) and counts[hot["cold"]].sum() == 0
+    strategy = SpecStrategy(3, 2, 5)
+    means = {}
+    for name, ids in hot.items():
+        out, first, accepted, _ = run_sd(model, drafter, prompts, strategy, new_tokens,
+                                         hot_token_ids=jnp.asarray(ids, jnp.int32))  # fmt: skip
+        for i in range(len(prompts)):
+            assert [int(first[i])] + out[i][:new_tokens] == want[i], f"{name}, prompt {i}"
+        means[name] = accepted.mean()
+    assert means["frequent"] > 1.5 and means["cold"] == 1.0, means
 
 
 # ----------------------------------------------------------------------------- KV commit
@@ -405,6 +430,37 @@ def test_engine_switches_to_sd_and_matches_plain(engines, aligned):
     assert sum(got[1].accepted_lengths) == 40 - 6 + _trimmed(got[1])
     assert np.mean(got[1].accepted_lengths) > 1.5
     assert plain.stats.spec_steps == 0 and sd.stats.spec_steps == len(got[1].accepted_lengths)
+
+
+def test_engine_hot_vocab_matches_plain(engines, aligned):
+    sd, plain = engines
+    vocab = aligned[0].config.vocab_size
+    prompts = random_prompts(2, vocab, seed=21)
+    want = plain.generate(_requests(prompts, {}))
+    counts = count_tokens([c.token_ids for c in want], vocab)
+    for bad, match in (([3, 3, 4], "duplicate"), ([0, vocab], "outside"), ([5], "topk=2"),
+                       ([[1, 2]], "1-D")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            sd.set_hot_token_ids(bad)
+    sd.set_hot_token_ids(hot_token_ids(counts, 32))
+    try:
+        got = sd.generate(_requests(prompts, {}))
+    finally:
+        sd.set_hot_token_ids(None)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert np.mean(got[1].accepted_lengths) > 1.5
+    assert ("spec_draft", 1, 2, 3, KV_LEN, 32) in sd._pool
+
+
+def test_hot_token_ids_rank_by_count():
+    counts = count_tokens([[4, 4, 2], [2, 7, 4]], vocab_size=8)
+    np.testing.assert_array_equal(counts, [0, 0, 2, 0, 3, 0, 0, 1])
+    # 4 (3x), 2 (2x), 7 (1x), then unseen ids in id order.
+    np.testing.assert_array_equal(hot_token_ids(counts, 5), [4, 2, 7, 0, 1])
+    with pytest.raises(ValueError, match="size=9"):
+        hot_token_ids(counts, 9)
+    with pytest.raises(ValueError, match="outside"):
+        count_tokens([[8]], vocab_size=8)
 
 
 def _trimmed(completion) -> int:

@@ -10,7 +10,8 @@ Pipeline (TLT's offline EAGLE warm-up, on the policy's own outputs):
    run skips generation.
 3. One policy forward over prompt + response per sample gives the final-norm features.
 4. Train the drafter on packed windows (orbax checkpoints in `workdir/checkpoints`, resumed
-   when present), then export an HF-style EAGLE directory.
+   when present), then export an HF-style EAGLE directory, with `hot_vocab.json` (the
+   responses' token counts, `tlt_jax.drafter.hot_vocab`) next to it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from flax import nnx
 
 from tlt_jax.drafter.data import DrafterBuffer
 from tlt_jax.drafter.export import export_eagle
+from tlt_jax.drafter.hot_vocab import count_tokens, save_hot_vocab
 from tlt_jax.drafter.trainer import (
     DrafterCheckpointer,
     DrafterTrainConfig,
@@ -238,7 +240,10 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
     state = train_drafter(model, buffer, train, workdir / "checkpoints", max_steps=max_steps,
                           seed=config.seed, log_every=config.log_every)  # fmt: skip
     export_dir = Path(config.export_dir) if config.export_dir else workdir / "eagle"
-    return export_eagle(state.params, model.config, export_dir)
+    out = export_eagle(state.params, model.config, export_dir)
+    # The responses' token counts: the engine's hot vocabulary for drafting.
+    save_hot_vocab(out, count_tokens(responses, model.config.vocab_size))
+    return out
 
 
 def train_drafter(

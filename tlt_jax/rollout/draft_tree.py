@@ -1,7 +1,8 @@
 """EAGLE-2 dynamic tree drafting and the verification tree it yields (DESIGN.md section 4).
 
 Dimension legend: B batch, C draft candidates, T tree nodes (verify tokens), D model, V vocab,
-S cached kv length, k top-k, N drafted-node slots of the level loop ((depth - 1) * k).
+U hot vocabulary, S cached kv length, k top-k, N drafted-node slots of the level loop
+((depth - 1) * k).
 
 Drafting positions. The drafter's cache holds one pair per position p < lengths[b]: (token
 x[p+1], policy feature f[p]); its output at the last pair predicts f[lengths], the feature of the
@@ -17,6 +18,10 @@ node to its k best children, each scored by the cumulative log-probability of it
 best k of the k*k children form the next frontier. All candidates are kept: k at level 0 and k*k
 at every later level, C = k + (depth-1) * k^2, indexed level by level, so a parent always has a
 lower index than its children.
+
+Hot vocabulary. With `hot_token_ids` every level's head is the live LM head's columns of those
+U tokens (sliced once per call): the drafter proposes only hot tokens, at U / V of the head's
+cost per level. Verification always uses the full vocabulary, so the output is unchanged.
 
 The drafter is one layer, so a node's keys and values depend on its own input only: instead of
 copying ancestor KV into per-branch slots (SGLang's `move_kv_cache`), every level runs the
@@ -74,6 +79,7 @@ def draft_candidates(
     topk: int,
     depth: int,
     attention_impl: str = "xla",
+    hot_token_ids: jax.Array | None = None,
 ) -> Candidates:
     """Drafts the candidate tree of every row (level 0 plus depth-1 drafter forwards).
 
@@ -86,13 +92,28 @@ def draft_candidates(
       feature_BxD: the drafter's prediction of the root's feature.
       topk: children per expanded node (k); depth: tree depth (levels).
       attention_impl: "xla" or "pallas" for the drafter's cached attention.
+      hot_token_ids: optional int32 [U] (U >= topk): draft only among these tokens (the head
+        is sliced to their columns once per call, from the live head; log-probabilities are
+        normalised over the U tokens).
 
     Returns:
-      `Candidates` with C = topk + (depth - 1) * topk**2 nodes per row.
+      `Candidates` with C = topk + (depth - 1) * topk**2 nodes per row (vocabulary ids).
     """
     b, k, d = lengths_B.shape[0], topk, feature_BxD.shape[-1]
+    if hot_token_ids is not None:
+        if hot_token_ids.ndim != 1 or hot_token_ids.shape[0] < k:
+            raise ValueError(f"hot_token_ids.shape={hot_token_ids.shape} must be [U] with "
+                             f"U >= topk={k}")  # fmt: skip
+        # Sliced once per step, outside the level loop: every level then reads D x U only.
+        head_DxV = jnp.take(head_DxV, hot_token_ids, axis=1)
+
+    def to_vocab(index):  # top-k indices into the (possibly hot) head -> vocabulary ids
+        ids = index if hot_token_ids is None else jnp.take(hot_token_ids, index)
+        return ids.astype(jnp.int32)
+
     logp_BxV = jax.nn.log_softmax(draft_logits(feature_BxD[:, None], head_DxV)[:, 0], axis=-1)
     scores, tokens = jax.lax.top_k(logp_BxV, k)
+    tokens = to_vocab(tokens)
     c = k + (depth - 1) * k * k
     cands = Candidates(
         tokens_BxC=jnp.zeros((b, c), jnp.int32).at[:, :k].set(tokens),
@@ -145,7 +166,7 @@ def draft_candidates(
         logp = jax.nn.log_softmax(draft_logits(g_front, head_DxV), axis=-1)  # [B, k, V]
         child_logp, child_tokens = jax.lax.top_k(logp, k)  # [B, k, k]
         child_scores = (front.scores_Bxk[:, :, None] + child_logp).reshape(b, k * k)
-        child_tokens = child_tokens.reshape(b, k * k).astype(jnp.int32)
+        child_tokens = to_vocab(child_tokens.reshape(b, k * k))
         offset = k + (i - 1) * k * k
         cands = Candidates(
             tokens_BxC=jax.lax.dynamic_update_slice(cands.tokens_BxC, child_tokens, (0, offset)),

@@ -14,8 +14,10 @@ compile count and compile seconds.
 
 With a drafter and a `SpecStrategy` a step is plain or speculative (`step_mode`; SD steps in
 `spec_engine.py`, programs in `speculative.py`). SD programs share the pool: drafts keyed by
-(batch, k, depth, kv), trees by (batch, k, depth, verify tokens), verifies by (batch, verify
-tokens, kv) only. Prefill also runs the drafter over the prompt.
+(batch, k, depth, kv, hot vocabulary size), trees by (batch, k, depth, verify tokens), verifies
+by (batch, verify tokens, kv) only. Prefill also runs the drafter over the prompt. An optional
+hot vocabulary (`hot_token_ids`) restricts the draft levels' LM head to frequent tokens;
+verification keeps the full vocabulary.
 """
 
 from __future__ import annotations
@@ -314,12 +316,14 @@ class RolloutEngine(SpeculativeSteps):
     """
 
     def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(),
-                 drafter: Drafter | None = None):  # fmt: skip
+                 drafter: Drafter | None = None,
+                 hot_token_ids: Sequence[int] | np.ndarray | None = None):  # fmt: skip
         """
         Args:
           model: the policy.
           config: static sizes and the SD settings.
           drafter: an EAGLE drafter of this policy (needed for `config.spec_strategy`).
+          hot_token_ids: optional hot vocabulary for drafting (`set_hot_token_ids`).
         """
         self.model_config = model.config
         self.config = config
@@ -335,6 +339,9 @@ class RolloutEngine(SpeculativeSteps):
             check_drafter_fits(model.config, drafter.config)
         self.drafter_config = None if drafter is None else drafter.config
         self.drafter_params = None if drafter is None else drafter.params_dict()
+        self.hot_token_ids = None
+        if hot_token_ids is not None:
+            self.set_hot_token_ids(hot_token_ids)
         self.graphdef, self.params = nnx.split(model)
         self.stats = EngineStats()
         self._pool: dict[tuple, Callable] = {}

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models.config import ModelConfig
@@ -63,6 +64,38 @@ class SpeculativeSteps:
     stats: Any  # EngineStats
     _program: Callable
     _emit: Callable
+    model_config: ModelConfig
+    hot_token_ids: jax.Array | None  # [U] int32, the draft head's vocabulary (None: all)
+
+    def set_hot_token_ids(self, hot_token_ids) -> None:
+        """Drafts among these token ids only (None: the full vocabulary).
+
+        The draft levels' LM head becomes the live head's columns of these U tokens (see
+        `tlt_jax.drafter.hot_vocab`); verification keeps the full vocabulary, so outputs are
+        unchanged. A new size compiles new draft programs; new ids of the same size do not.
+
+        Raises:
+          ValueError: if the ids are not a 1-D list of distinct ids in [0, vocab) with at
+            least the configured strategy's topk entries.
+        """
+        if hot_token_ids is None:
+            self.hot_token_ids = None
+            return
+        ids = np.asarray(hot_token_ids)
+        vocab = self.model_config.vocab_size
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"hot_token_ids must be a non-empty 1-D integer array; got shape "
+                             f"{ids.shape} dtype {ids.dtype}")  # fmt: skip
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"hot_token_ids hold ids outside [0, {vocab}): min {ids.min()}, "
+                             f"max {ids.max()}")  # fmt: skip
+        if np.unique(ids).size != ids.size:
+            raise ValueError("hot_token_ids hold duplicate ids")
+        strategy = self.config.spec_strategy
+        if strategy is not None and ids.size < strategy.topk:
+            raise ValueError(f"hot_token_ids has {ids.size} ids; engine.spec_strategy "
+                             f"{strategy} needs at least topk={strategy.topk}")  # fmt: skip
+        self.hot_token_ids = jnp.asarray(ids, jnp.int32)
 
     def update_drafter_params(self, params) -> None:
         """Swaps in new drafter weights (`Drafter.params_dict()` layout), checked like the
@@ -113,8 +146,13 @@ class SpeculativeSteps:
             depth=d,
             attention_impl=impl,
         )
-        args = (self.params, self.drafter_params, self.state)
-        candidates = self._program(("spec_draft", b, k, d, s), draft_fn, *args)(*args)
+        hot = self.hot_token_ids
+        if hot is not None and hot.shape[0] < k:
+            raise ValueError(f"strategy {strategy} needs topk={k} <= the hot vocabulary size "
+                             f"{hot.shape[0]}")  # fmt: skip
+        args = (self.params, self.drafter_params, self.state, hot)
+        key = ("spec_draft", b, k, d, s, None if hot is None else hot.shape[0])
+        candidates = self._program(key, draft_fn, *args)(*args)
         tree_fn = functools.partial(speculative.tree_program, batch=b, verify_tokens=t, depth=d)
         program = self._program(("spec_tree", b, k, d, t), tree_fn, candidates, self.state)
         tree = program(candidates, self.state)

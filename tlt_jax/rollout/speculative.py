@@ -5,7 +5,8 @@ length, S kv length, L layers, K kv heads, H head dim, D model, V vocab.
 
 One SD step over the first `batch` slots of the engine's `DecodeState` is three programs:
 
-1. `draft_program` (batch, k, depth, kv): EAGLE-2 candidates (`draft_tree.draft_candidates`).
+1. `draft_program` (batch, k, depth, kv, hot vocabulary size): EAGLE-2 candidates
+   (`draft_tree.draft_candidates`).
 2. `tree_program` (batch, k, depth, T): the T-node tree (`draft_tree.build_tree`).
 3. `verify_program` (batch, T, kv): one target forward over B x T tokens with the tree mask,
    acceptance (`acceptance.accept_tree`), then the commit: the accepted path's keys and values
@@ -195,16 +196,17 @@ def prefill_drafter(params: DrafterParams, config: ModelConfig, embed_VxD: jax.A
 # a `DraftState`); static keywords are bound with functools.partial before AOT compilation.
 
 
-def draft_program(graphdef, drafter_config: ModelConfig, params, drafter_params, state, *,
-                  batch: int, kv_len: int, topk: int, depth: int,
+def draft_program(graphdef, drafter_config: ModelConfig, params, drafter_params, state,
+                  hot_token_ids=None, *, batch: int, kv_len: int, topk: int, depth: int,
                   attention_impl: str = "xla") -> Candidates:  # fmt: skip
-    """Candidates of the first `batch` slots (reads the state, writes nothing)."""
+    """Candidates of the first `batch` slots (reads the state, writes nothing); drafted among
+    `hot_token_ids` ([U] int32) only when given (an argument, so new ids never recompile)."""
     model = nnx.merge(graphdef, params)
     draft = state.draft
     return draft_candidates(
         drafter_params, drafter_config, model.embed.get_value(), model.head_weight_DxV(),
         draft.cache.view(batch, kv_len), draft.lengths[:batch], draft.feature[:batch],
-        topk=topk, depth=depth, attention_impl=attention_impl,
+        topk=topk, depth=depth, attention_impl=attention_impl, hot_token_ids=hot_token_ids,
     )  # fmt: skip
 
 
