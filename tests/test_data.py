@@ -82,6 +82,19 @@ def test_arithmetic_test_split_is_disjoint_from_train(tmp_path):
         assert not set(train_expressions) & set(test_expressions)
 
 
+def test_arithmetic_level0_is_small_and_held_out():
+    test, test_expressions = arithmetic.generate_split((0,), 200, 0, "test", frozenset())
+    train, _ = arithmetic.generate_split((0,), 600, 0, "train", test_expressions)
+    for example in test + train:
+        expression = _expression(example["question"])
+        assert example["answer"] == str(_evaluate(expression)) and example["level"] == 0
+        assert all(0 <= int(n) <= 20 for n in re.findall(r"\d+", expression))
+    assert not test_expressions & {_expression(e["question"]) for e in train}
+    # 21 * 21 operand pairs and two operators: 882 distinct problems, no more.
+    with pytest.raises(ValueError, match="could only draw 882 distinct problems"):
+        arithmetic.generate_split((0,), 900, 0, "test", frozenset())
+
+
 def test_arithmetic_exclusion_removes_given_expressions():
     examples, expressions = arithmetic.generate_split((1,), 40, 0, "train", frozenset())
     banned = frozenset(_expression(example["question"]) for example in examples[:10])
@@ -248,6 +261,10 @@ def test_render_prompt_with_and_without_chat_template():
         == plain
     )
     assert pipeline.render_prompt(None, "Q", instruction="") == "Q"
+    with_system = pipeline.render_prompt(
+        with_template, "Q", instruction="", system_prompt="Be brief."
+    )
+    assert with_system == "<|system|>Be brief.<|end|><|user|>Q<|end|><|assistant|>"
 
 
 # Iterator.

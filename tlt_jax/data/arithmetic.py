@@ -2,10 +2,12 @@
 
 Each example is an expression over integers with a known exact result:
 
+- `level0`: two operands, `+` / `-`, operands in [0, 20] (882 distinct problems; sized for
+  small models such as SmolLM2-135M, which solve about half of them greedily).
 - `level1`: two operands, `+` / `-`, operands in [0, 999].
 - `level2`: three operands, `+` / `-` / `*`, parentheses where the tree needs them.
 - `level3`: four or five operands, nested parentheses, operands up to 9,999.
-- `mixed`: each example picks one of the three levels uniformly.
+- `mixed`: each example picks one of levels 1-3 uniformly.
 
 Generation is deterministic: every (config seed, split) has its own fixed
 `numpy.random.default_rng` stream. The test split is drawn first; train skips any expression
@@ -26,8 +28,9 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-LEVELS = (1, 2, 3)
-LEVEL_NAMES = ("level1", "level2", "level3", "mixed")
+LEVELS = (0, 1, 2, 3)
+MIXED_LEVELS = (1, 2, 3)
+LEVEL_NAMES = ("level0", "level1", "level2", "level3", "mixed")
 _SPLIT_STREAM = {"test": 0, "train": 1}
 _TEMPLATES = ("What is {expr}?", "Compute {expr}.", "Evaluate {expr}.", "Calculate {expr}.")
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2}
@@ -45,6 +48,7 @@ class _LevelSpec:
 
 
 _LEVEL_SPECS = {
+    0: _LevelSpec((2,), ("+", "-"), (0, 20), (0, 0), 100),
     1: _LevelSpec((2,), ("+", "-"), (0, 999), (0, 0), 10_000),
     2: _LevelSpec((3,), ("+", "-", "*"), (1, 99), (2, 20), 10_000),
     3: _LevelSpec((4, 5), ("+", "-", "*"), (10, 9_999), (2, 99), 1_000_000),
@@ -205,7 +209,7 @@ _DEFAULT_SIZES = {"num_train": 20_000, "num_test": 500, "seed": 0}
 
 
 def _config_for(level: str, num_train: int, num_test: int, seed: int) -> ArithmeticConfig:
-    levels = LEVELS if level == "mixed" else (int(level.removeprefix("level")),)
+    levels = MIXED_LEVELS if level == "mixed" else (int(level.removeprefix("level")),)
     name = level
     if {"num_train": num_train, "num_test": num_test, "seed": seed} != _DEFAULT_SIZES:
         name = f"{level}_train{num_train}_test{num_test}_seed{seed}"

@@ -104,6 +104,7 @@ def render_prompt(
     *,
     instruction: str = DEFAULT_INSTRUCTION,
     use_chat_template: bool = True,
+    system_prompt: str | None = None,
 ) -> str:
     """Turns a question into the text a policy model is prompted with.
 
@@ -113,6 +114,9 @@ def render_prompt(
       instruction: appended after a blank line; `""` leaves the question alone.
       use_chat_template: wrap the text as one user turn with the tokenizer's chat template
         (ending in the assistant generation prompt) when it has one.
+      system_prompt: with the chat template, a system turn with this text before the user
+        turn (`""` gives an empty one); None leaves the template's default (SmolLM2's adds
+        its own system prompt, about 20 tokens).
 
     Returns:
       The prompt text (not yet tokenised).
@@ -120,9 +124,10 @@ def render_prompt(
     content = f"{question.strip()}\n\n{instruction}" if instruction else question.strip()
     if not use_chat_template or tokenizer is None or not tokenizer.chat_template:
         return content
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-    )
+    messages = [{"role": "user", "content": content}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if not isinstance(rendered, str):
         raise TypeError(f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}")
     return rendered
@@ -226,6 +231,8 @@ class DataConfig:
       num_test: `arithmetic` only: size of the generated test split.
       instruction: appended to every question.
       use_chat_template: render prompts with the tokenizer's chat template when it has one.
+      system_prompt: a system turn before the question (chat template only); None keeps the
+        template's default.
       seed: shuffle seed of the train iterator.
       train_split: split the policy trains on.
       eval_split: held-out split for evaluation.
@@ -239,6 +246,7 @@ class DataConfig:
     num_test: int = 500
     instruction: str = DEFAULT_INSTRUCTION
     use_chat_template: bool = True
+    system_prompt: str | None = None
     seed: int = 0
     train_split: str = "train"
     eval_split: str = "test"

@@ -1,0 +1,47 @@
+r"""RL step time and its phase breakdown for a config (default: the main job) on this machine.
+
+    python scripts/bench_rl_step.py --output_json /tmp/bench_rl_step.json
+    python scripts/bench_rl_step.py --config configs/smollm2_arith.py:smoke --steps 2 \
+        --output_json /tmp/bench_smoke.json
+
+Runs `--warmup` RL steps (compilation; not measured) and `--steps` measured steps of the
+config's GRPO loop in a temporary workdir, then, side by side with the same engine, prompts
+and batch, plain decoding of exactly `max_new_tokens` per request (no stop token, hence no
+long tail). The JSON has `step_time_s`, the phase seconds and shares, `rollout_share`,
+`long_tail_share` (rollout time after 90% of requests finished), generated tokens/s in the
+rollout and in plain decoding, and the command, model, batch and lengths.
+"""
+
+import json
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
+)
+flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
+flags.DEFINE_integer("steps", 3, "Measured RL steps.")
+flags.DEFINE_integer("warmup", 1, "RL steps run first and not measured (compilation).")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
+    from tlt_jax.rl.bench import bench_rl_step
+
+    command = "python " + " ".join(sys.argv)
+    print(command, flush=True)
+    result = bench_rl_step(FLAGS.config, steps=FLAGS.steps, warmup=FLAGS.warmup)
+    result["command"] = command
+    with open(FLAGS.output_json, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_step"}, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,125 @@
+"""Checkpoints: round trip, retention, crash leftovers, and kill -9 + resume == uninterrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from rl_testing import REPO, tiny_config
+
+from tlt_jax.checkpointing.manager import RunCheckpointer
+from tlt_jax.models.presets import get_preset
+from tlt_jax.models.transformer import init_model
+from tlt_jax.rl import step as step_lib
+from tlt_jax.rl.config import OptimConfig
+from tlt_jax.rl.run import train_and_evaluate
+
+# Values that depend only on the computation, not on timing.
+DETERMINISTIC = (
+    "step", "epoch", "reward_mean", "reward_std", "accuracy", "groups_with_signal",
+    "advantage_abs_mean", "loss", "pg_loss", "entropy", "clip_fraction", "ratio_mean",
+    "grad_norm", "learning_rate", "skipped", "response_len_mean", "response_len_p90",
+    "response_len_max", "generated_tokens", "response_lengths",
+)  # fmt: skip
+
+
+def _state(seed=0):
+    from flax import nnx
+
+    params = nnx.state(init_model(get_preset("tiny"), seed=seed))
+    optimizer = step_lib.make_optimizer(OptimConfig(learning_rate=1e-3), 10)
+    return step_lib.init_train_state(params, optimizer, seed)
+
+
+def test_round_trip_retention_and_crash_leftovers(tmp_path):
+    state = _state()
+    checkpointer = RunCheckpointer(tmp_path, max_to_keep=2)
+    for step in range(1, 5):
+        bumped = state.replace(step=jnp.int32(step))
+        checkpointer.save(step, bumped, {"epoch": 1, "index": step}, {"total_steps": step})
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [3, 4]
+    restored = checkpointer.restore(_state(seed=1))
+    assert restored.step == 4 and int(restored.state.step) == 4
+    assert restored.data_position == {"epoch": 1, "index": 4}
+    assert restored.config == {"total_steps": 4}
+    for a, b in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state.replace(
+            step=jnp.int32(4))), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    checkpointer.close()
+    # What a crash during the save of step 5 leaves behind: an unfinished temporary directory.
+    leftover = tmp_path / "5.orbax-checkpoint-tmp"
+    (leftover / "state").mkdir(parents=True)
+    (leftover / "state" / "partial").write_bytes(b"\0" * 100)
+    reopened = RunCheckpointer(tmp_path, max_to_keep=2)
+    assert reopened.latest_step() == 4
+    assert reopened.restore(_state()).step == 4
+    assert not leftover.exists()
+    reopened.close()
+
+
+OVERRIDES = {
+    "total_steps": 12,
+    "checkpoint_every": 3,
+    "eval.num_problems": 0,
+    "rl.reward_fn": "rl_testing:slow_mean_byte_reward",
+    "rollout.max_new_tokens": 16,
+    "plot_every": 100,
+}
+
+
+def _train_command(workdir):
+    flags = [f"--config.{key}={value}" for key, value in OVERRIDES.items()]
+    return [sys.executable, "scripts/train.py", "--config", "configs/tiny.py",
+            "--workdir", str(workdir), *flags]  # fmt: skip
+
+
+def _env():
+    cache = os.path.join(os.environ.get("TLT_TEST_CACHE", "/tmp"), "tlt_jax_test_xla_cache")
+    return {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}",
+            "JAX_COMPILATION_CACHE_DIR": cache,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # fmt: skip
+
+
+def _records(workdir):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [{k: json.loads(line)[k] for k in DETERMINISTIC} for line in lines]
+
+
+def test_kill_9_and_resume_repeats_the_uninterrupted_run(tmp_path):
+    total = OVERRIDES["total_steps"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    # The reference run in this process; the killed and resumed ones as separate programs.
+    train_and_evaluate(tiny_config(**OVERRIDES), whole, progress=False)
+    expected = _records(whole)
+    assert [r["step"] for r in expected] == list(range(1, total + 1))
+
+    process = subprocess.Popen(_train_command(killed), cwd=REPO, env=_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    metrics = killed / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    assert process.returncode == -signal.SIGKILL
+    done_before_kill = len(metrics.read_text().splitlines())
+    assert 5 <= done_before_kill < total
+
+    resumed = subprocess.run(_train_command(killed), cwd=REPO, env=_env(),
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from None" not in resumed.stdout
+    resumed_from = int(resumed.stdout.split("resumed from ")[1].split(")")[0])
+    assert 3 <= resumed_from <= done_before_kill and resumed_from % 3 == 0
+    assert _records(killed) == expected

@@ -1,0 +1,101 @@
+"""Every config loads and builds; bad values are refused before anything loads or compiles."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from rl_testing import CONFIG_DIR, REPO, load_config_dict, tiny_config
+
+from tlt_jax.models.presets import get_preset
+from tlt_jax.rl import policy
+from tlt_jax.rl.config import TrainConfig
+from tlt_jax.rl.trainer import Trainer
+
+CONFIGS = [("tiny", None), ("smollm2_arith", None), ("smollm2_arith", "smoke"),
+           ("smollm2_gsm8k", None), ("qwen2_5_7b_gsm8k", None),
+           ("ds_r1_distill_qwen_7b_math", None)]  # fmt: skip
+BIG = {"qwen2_5_7b_gsm8k", "ds_r1_distill_qwen_7b_math"}
+
+
+def _build(name, arg=None):
+    config = load_config_dict(name, arg)
+    if config.data.name == "gsm8k":
+        config.data.data_dir = str(REPO.parent / "shared" / "data" / "gsm8k")
+    return config, TrainConfig.from_config_dict(config)
+
+
+def test_every_config_file_is_listed():
+    assert {p.stem for p in CONFIG_DIR.glob("*.py")} == {name for name, _ in CONFIGS}
+
+
+@pytest.mark.parametrize(("name", "arg"), CONFIGS)
+def test_config_loads_and_builds(name, arg):
+    raw, config = _build(name, arg)
+    for field in ("total_steps", "checkpoint_every", "seed"):
+        assert field in raw, field
+    assert f"configs/{name}.py" in (CONFIG_DIR / f"{name}.py").read_text()  # launch command
+    plan = policy.plan_run(config)  # shapes and shardings only; nothing is allocated
+    expected = get_preset(config.model.architecture or config.model.preset)
+    assert plan.num_params == expected.num_params()
+    assert plan.mesh_shape == config.model.mesh_shape
+    assert plan.abstract_state.params is not None
+    if name in BIG:
+        # float32 master weights FSDP x TP over 8 chips, AdamW moments laid out alike.
+        assert plan.param_bytes_per_device == pytest.approx(4 * plan.num_params / 8, rel=0.05)
+        assert plan.opt_state_bytes_per_device == pytest.approx(
+            2 * plan.param_bytes_per_device, rel=0.01
+        )
+        lowered = policy.lower_grad_program(config, plan, prompt_len=256, response_len=512)
+        assert "stablehlo" in lowered.as_text()[:2000] or lowered.as_text()
+
+
+def _error(**overrides):
+    with pytest.raises(ValueError) as info:
+        tiny_config(**overrides)
+    return str(info.value)
+
+
+def test_bad_values_name_field_and_allowed_values():
+    assert "rl.group_size=1 must be an integer >= 2" in _error(**{"rl.group_size": 1})
+    assert "optim.learning_rate=-0.001" in _error(**{"optim.learning_rate": -1e-3})
+    message = _error(**{"rl.micro_batch_size": 3})
+    assert "rl.micro_batch_size=3" in message and "allowed: [4, 8]" in message
+    message = _error(**{"rl.advantage_estimator": "ppo"})
+    assert "rl.advantage_estimator='ppo'" in message and "'dr_grpo', 'grpo', 'rloo'" in message
+    assert "'seq_mean_token_mean'" in _error(**{"rl.loss_aggregation": "sum"})
+    assert "rollout.temperature=0.0 must be > 0" in _error(**{"rollout.temperature": 0.0})
+    assert "optim.schedule='step'" in _error(**{"optim.schedule": "step"})
+    assert "'math_accuracy'" in _error(**{"rl.reward_fn": "no_such_reward"})
+    message = _error(**{"model.preset": "huge"})
+    assert "model.preset='huge'" in message and "'tiny'" in message
+
+
+def test_unknown_field_is_refused():
+    config = load_config_dict("tiny")
+    config.unlock()
+    config.rl.group_sise = 4
+    with pytest.raises(ValueError, match=r"rl.group_sise is not a field.*'group_size'"):
+        TrainConfig.from_config_dict(config)
+
+
+def test_gsm8k_without_folder_names_the_flag(tmp_path):
+    config = load_config_dict("smollm2_gsm8k")
+    with pytest.raises(ValueError, match="--config.data.data_dir"):
+        TrainConfig.from_config_dict(config)
+    # A folder that does not exist fails when the data loads, before any model is built.
+    config = tiny_config(**{"data.name": "gsm8k", "data.data_dir": str(tmp_path / "missing")})
+    with pytest.raises(FileNotFoundError, match="--config.data.data_dir"):
+        Trainer(config, tmp_path / "run", progress=False)
+
+
+def test_cli_refuses_bad_config_before_compiling(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", "configs/tiny.py",
+         "--workdir", str(tmp_path), "--config.rl.group_size=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "rl.group_size=1 must be an integer >= 2" in result.stderr
+    assert not (tmp_path / "checkpoints").exists()

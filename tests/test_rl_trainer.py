@@ -1,0 +1,290 @@
+"""The RL step: shared-prompt forward parity, exact micro-batching, update/skip, the trainer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from rl_testing import tiny_config
+
+from tlt_jax.metrics import timing
+from tlt_jax.models.presets import get_preset
+from tlt_jax.models.transformer import init_model
+from tlt_jax.rl import evaluation
+from tlt_jax.rl import step as step_lib
+from tlt_jax.rl.algorithms import AlgorithmConfig
+from tlt_jax.rl.config import OptimConfig
+from tlt_jax.rl.trainer import NonFiniteLossError, Trainer, rollout_seeds
+
+PROMPTS = [(5, 6, 7, 8, 9), (10, 11)]
+RESPONSES = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10, 11, 12]]  # group size 2
+
+
+def _batch(prompts=PROMPTS, responses=RESPONSES, group=2):
+    batch = step_lib.build_sequence_batch(prompts, responses, group, min_bucket=4,
+                                          max_prompt=16, max_response=16)  # fmt: skip
+    return jax.tree.map(jnp.asarray, batch)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = init_model(get_preset("tiny"), seed=3)
+    graphdef, params = nnx.split(model)
+    return model, graphdef, params
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prompt_forward_equals_full_forward(tiny, temperature):
+    model = tiny[0]
+    logprobs, _, prompt_features, features = step_lib.sequence_forward(model, _batch(), temperature)
+    for b, response in enumerate(RESPONSES):
+        prompt = PROMPTS[b // 2]
+        full = jnp.asarray([list(prompt) + response])
+        full_features, _ = model(full, jnp.arange(full.shape[1])[None])
+        logits = model.logits(full_features)[0] / temperature
+        expected = [jax.nn.log_softmax(logits[len(prompt) - 1 + t])[token]
+                    for t, token in enumerate(response)]  # fmt: skip
+        np.testing.assert_allclose(logprobs[b, : len(response)], expected, atol=2e-5)
+        np.testing.assert_allclose(features[b, : len(response)],
+                                   full_features[0, len(prompt):], atol=2e-5)  # fmt: skip
+        np.testing.assert_allclose(prompt_features[b // 2, : len(prompt)],
+                                   full_features[0, : len(prompt)], atol=2e-5)  # fmt: skip
+
+
+def _accumulate(graphdef, params, batches, weights, algorithm, advantages):
+    accum = step_lib.zero_accumulator(params)
+    for batch, weight, adv in zip(batches, weights, advantages, strict=True):
+        b, t = batch.response_tokens_BxT.shape
+        old = step_lib.logprob_program(graphdef, params, batch, temperature=1.0)[0]
+        inputs = step_lib.LossInputs(old, jnp.zeros((b, t)), jnp.asarray(adv, jnp.float32),
+                                     jnp.float32(weight))  # fmt: skip
+        accum = step_lib.grad_program(graphdef, params, accum, batch, inputs,
+                                      algorithm=algorithm, temperature=1.0)  # fmt: skip
+    return accum
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_weighted_micro_batches_equal_one_batch(tiny, aggregation):
+    _, graphdef, params = tiny
+    algorithm = AlgorithmConfig(loss_aggregation=aggregation)
+    advantages = np.asarray([0.5, -1.0, 2.0, -0.3], np.float32)
+    whole = _accumulate(graphdef, params, [_batch()], [1.0], algorithm, [advantages])
+    parts = [_batch(PROMPTS[:1], RESPONSES[:2]), _batch(PROMPTS[1:], RESPONSES[2:])]
+    weights = step_lib.aggregation_weights(
+        aggregation, [np.asarray(p.response_mask_BxT) for p in parts]
+    )
+    split = _accumulate(graphdef, params, parts, weights, algorithm,
+                        [advantages[:2], advantages[2:]])  # fmt: skip
+    assert sum(weights) == pytest.approx(1.0)
+    assert float(whole["loss"]) == pytest.approx(float(split["loss"]), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(whole["grads"]), jax.tree.leaves(split["grads"]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert float(optax_norm(whole["grads"])) > 0
+
+
+def optax_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def test_zero_advantages_give_zero_gradient(tiny):
+    _, graphdef, params = tiny
+    accum = _accumulate(graphdef, params, [_batch()], [1.0], AlgorithmConfig(),
+                        [np.zeros(4, np.float32)])  # fmt: skip
+    assert float(optax_norm(accum["grads"])) == 0.0
+
+
+def test_apply_skips_non_finite_loss(tiny):
+    _, _, params = tiny
+    optimizer = step_lib.make_optimizer(OptimConfig(learning_rate=1e-2), 10)
+    schedule = step_lib.learning_rate_schedule(OptimConfig(learning_rate=1e-2), 10)
+    state = step_lib.init_train_state(jax.tree.map(jnp.copy, params), optimizer, 0)
+    accum = step_lib.zero_accumulator(params)
+    accum["grads"] = jax.tree.map(jnp.ones_like, accum["grads"])
+    for loss, skipped in ((jnp.float32(jnp.nan), 1.0), (jnp.float32(0.5), 0.0)):
+        new, metrics = step_lib.apply_program(
+            state, dict(accum, loss=loss), optimizer=optimizer, schedule=schedule
+        )
+        same = all(
+            bool(jnp.array_equal(a, b))
+            for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params), strict=True)
+        )
+        assert float(metrics["skipped"]) == skipped
+        assert same == bool(skipped)
+
+
+def test_micro_batch_plan_puts_zero_advantage_groups_last():
+    signal = np.asarray([False, True, False, True, True, False, False, False])
+    plan = step_lib.plan_micro_batches(signal, group_size=4, micro_batch_size=8,
+                                       num_minibatches=2)  # fmt: skip
+    # Two mini-batches of 4 groups, 2 groups per micro-batch; within a mini-batch the groups
+    # with signal come first (stable order).
+    assert plan == [[[1, 3], [0, 2]], [[4, 5], [6, 7]]]
+
+
+def test_long_tail_share_and_seeds():
+    assert timing.long_tail_share(0.0, [float(t) for t in range(1, 11)]) == pytest.approx(0.1)
+    assert timing.long_tail_share(0.0, [1.0] * 9 + [5.0]) == pytest.approx(0.8)
+    words = np.asarray([1, 2], np.uint32)
+    np.testing.assert_array_equal(rollout_seeds(words, 3, 8), rollout_seeds(words, 3, 8))
+    assert not np.array_equal(rollout_seeds(words, 3, 8), rollout_seeds(words, 4, 8))
+    assert len(set(rollout_seeds(words, 3, 64).tolist())) == 64
+
+
+def test_paired_difference_hand_computed():
+    def result(correct):
+        return evaluation.EvalResult(float(np.mean(correct)), 0.0, len(correct), 1.0,
+                                     tuple(correct), (1,) * len(correct), 0.0)  # fmt: skip
+
+    before = result([True, False, False, True, False])
+    after = result([True, True, True, False, False])
+    paired = evaluation.paired_difference(before, after)
+    # gained 2, lost 1: diff 1/5, se sqrt(3 - 1/5) / 5.
+    assert paired["gained"] == 2 and paired["lost"] == 1
+    assert paired["diff"] == pytest.approx(0.2)
+    assert paired["stderr"] == pytest.approx(math.sqrt(2.8) / 5)
+    assert evaluation.binomial_stderr(0.5, 100) == pytest.approx(0.05)
+
+
+class RecordingSink:
+    def __init__(self):
+        self.calls = []
+
+    def add(self, tokens, features, response_mask, step, valid_mask=None):
+        self.calls.append((np.asarray(tokens), np.asarray(features), np.asarray(response_mask),
+                           step, np.asarray(valid_mask)))  # fmt: skip
+        return len(tokens)
+
+
+def test_trainer_steps_update_sync_and_feed_the_sink(tmp_path):
+    sink = RecordingSink()
+    config = tiny_config(total_steps=2, checkpoint_every=2)
+    trainer = Trainer(config, tmp_path, feature_sink=sink, progress=False)
+    initial = jax.tree.map(np.asarray, trainer.state.params)
+    records = trainer.train()
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["micro_batches_trained"] == record["micro_batches_total"] == 2
+        assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+        assert record["skipped"] == 0.0 and 0.0 <= record["long_tail_share"] < 1.0
+        # The engine's sampling log-probs and the trainer's recompute agree.
+        assert record["logprob_diff"] < 1e-4
+    changed = [
+        not np.array_equal(a, np.asarray(b))
+        for a, b in zip(
+            jax.tree.leaves(initial), jax.tree.leaves(trainer.state.params), strict=True
+        )
+    ]
+    assert all(changed)
+    # Weight sync: the engine samples with exactly the trained weights.
+    for a, b in zip(jax.tree.leaves(trainer.engine.params),
+                    jax.tree.leaves(trainer.state.params), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert {"reward_mean", "accuracy", "loss", "time_rollout", "response_len_p90"} <= set(
+        json.loads(lines[0])
+    )
+    assert trainer.checkpointer.latest_step() == 2
+    assert all(
+        (tmp_path / "plots" / name).is_file()
+        for name in ("reward_accuracy.png", "response_lengths.png", "time_breakdown.png")
+    )
+    assert list((tmp_path / "tensorboard").iterdir())
+
+    # Feature sink: every sequence of both steps, prompt + response, with their masks.
+    g = config.rl.group_size
+    assert sum(len(c[0]) for c in sink.calls) == 2 * config.rl.batch_size
+    tokens, features, response_mask, step, valid = sink.calls[-1]
+    assert step == 2 and features.shape == tokens.shape + (get_preset("tiny").hidden_size,)
+    assert not (response_mask & ~valid).any() and response_mask.any(axis=1).all()
+    assert len(sink.calls) == 2 * config.rl.batch_size // config.rl.micro_batch_size
+    assert tokens.shape[0] == config.rl.micro_batch_size == g
+
+    # Same shapes again: nothing is compiled.
+    examples = [{"question": "What is 1 + 2?", "answer": "3"}] * config.rl.prompts_per_step
+    trainer.run_step(examples)
+    assert trainer.run_step(examples)["compile_count"] == 0
+    trainer.close()
+
+
+def test_sink_features_match_the_policy_forward(tmp_path):
+    sink = RecordingSink()
+    trainer = Trainer(tiny_config(total_steps=1), tmp_path, feature_sink=sink, progress=False)
+    params_before = jax.tree.map(jnp.copy, trainer.state.params)
+    trainer.run_step([{"question": "What is 10 + 20?", "answer": "30"}] * 2)
+    model = nnx.merge(trainer.graphdef, params_before)
+    tokens, features, response_mask, _, valid = sink.calls[0]
+    row = tokens[1][valid[1]]
+    expected, _ = model(jnp.asarray(row[None]), jnp.arange(len(row))[None])
+    np.testing.assert_allclose(features[1][valid[1]], expected[0], atol=2e-5)
+    assert response_mask[1][valid[1]].sum() == len(row) - len(trainer.encode("What is 10 + 20?"))
+    trainer.close()
+
+
+def test_non_finite_loss_skips_updates_then_stops_with_checkpoint_intact(tmp_path):
+    Trainer(tiny_config(total_steps=1), tmp_path, progress=False).train()
+    config = tiny_config(total_steps=6, checkpoint_every=1, **{"rl.max_nonfinite_steps": 2})
+    trainer = Trainer(config, tmp_path, progress=False)
+    assert trainer.step_count == 1
+    trainer.state = trainer.state.replace(
+        params=jax.tree.map(lambda x: x * jnp.nan, trainer.state.params)
+    )
+    with pytest.raises(NonFiniteLossError, match="2 consecutive non-finite updates"):
+        trainer.train()
+    trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["skipped"] for r in records] == [0.0, 1.0, 1.0]
+    assert records[1]["loss"] == "nan"  # step 3: every micro-batch skipped, new params NaN
+    resumed = Trainer(config, tmp_path, progress=False)
+    assert resumed.step_count == 1  # no checkpoint was written from a non-finite step
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(resumed.state.params))
+    resumed.close()
+
+
+def test_weight_sync_rejects_mismatched_weights(tmp_path):
+    trainer = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
+    params = trainer.state.params
+    bad_dtype = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    with pytest.raises(ValueError, match="dtype"):
+        trainer.engine.update_params(bad_dtype)
+    leaves, treedef = jax.tree.flatten(params)
+    bad_shape = jax.tree.unflatten(treedef, [jnp.zeros((3,))] + leaves[1:])
+    with pytest.raises(ValueError, match="shape"):
+        trainer.engine.update_params(bad_shape)
+    trainer.close()
+
+
+def test_evaluate_run_scores_the_latest_checkpoint(tmp_path):
+    from tlt_jax.rl.run import evaluate_run
+
+    Trainer(tiny_config(total_steps=2), tmp_path, progress=False).train()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    step, result = evaluate_run(tiny_config(**{"eval.num_problems": 4}), tmp_path)
+    assert step == 2 and result.num_problems == 4 and len(result.responses) == 4
+    assert 0.0 <= result.accuracy <= 1.0 and result.mean_length > 0
+    step, _ = evaluate_run(tiny_config(**{"eval.num_problems": 2}), None)
+    assert step == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == files  # evaluation writes nothing
+
+
+def test_kl_to_the_frozen_initial_policy(tmp_path):
+    config = tiny_config(total_steps=2, **{"rl.kl_coef": 0.5})
+    trainer = Trainer(config, tmp_path, progress=False)
+    initial = jax.tree.map(np.asarray, trainer.reference_params)
+    records = trainer.train()
+    # Step 1 samples from the reference itself (KL 0); after one update the policy has moved.
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert records[1]["kl"] > 0
+    for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(trainer.reference_params),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)  # the reference never changes
+    trainer.close()
+    without = Trainer(tiny_config(total_steps=1), tmp_path / "no_kl", progress=False)
+    assert without.reference_params is None  # kl_coef == 0 keeps no reference copy
+    without.close()

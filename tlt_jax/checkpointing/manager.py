@@ -1,0 +1,96 @@
+"""Orbax checkpoints of an RL run: train state, data position and config, saved together.
+
+A checkpoint at step k holds, as three items of one orbax step directory:
+- `state`: the `TrainState` pytree (policy params, optimizer state, step, RNG key data);
+- `data`: the prompt iterator's position (`{"epoch", "index"}`, JSON);
+- `config`: the run's `TrainConfig.to_dict()` (JSON), for the record and for resume checks.
+
+Saves are asynchronous (device arrays are copied to host before `save` returns; files are
+written in the background) and atomic: orbax writes into a temporary directory and renames it
+when every item is complete, so a crash mid-save leaves the previous checkpoint the latest
+restorable one; leftover temporary directories are removed when the manager is next opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `RunCheckpointer.restore` returns."""
+
+    step: int
+    state: Any
+    data_position: dict[str, int]
+    config: dict[str, Any]
+
+
+class RunCheckpointer:
+    """Keeps the last `max_to_keep` checkpoints of one run under `directory`."""
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
+                 async_save: bool = True):  # fmt: skip
+        self.directory = Path(directory).expanduser().absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+        )  # fmt: skip
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, data_position: dict[str, int],
+             config: dict[str, Any]) -> bool:  # fmt: skip
+        """Starts saving (returns before the files are written when async). False if present."""
+        if step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave({k: int(v) for k, v in data_position.items()}),
+            config=ocp.args.JsonSave(config),
+        )
+        return self._manager.save(step, args=args, force=True)
+
+    def restore(self, like: Any, step: int | None = None) -> Restored | None:
+        """The checkpoint at `step` (default latest) laid out like `like`; None if there is none.
+
+        Args:
+          like: a state pytree (arrays or `ShapeDtypeStruct`s with shardings) giving the
+            structure, dtypes and shardings to restore into.
+          step: which checkpoint; the latest by default.
+        """
+        step = self._manager.latest_step() if step is None else step
+        if step is None:
+            return None
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+            like,
+        )
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract),
+                data=ocp.args.JsonRestore(),
+                config=ocp.args.JsonRestore(),
+            ),
+        )
+        return Restored(step, restored.state, dict(restored.data), dict(restored.config))
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,90 @@
+"""RL step benchmark: phase breakdown, rollout share, long tail, rollout vs plain decoding."""
+
+from __future__ import annotations
+
+import platform
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from tlt_jax.metrics.timing import PHASES
+from tlt_jax.rl.config import TrainConfig
+from tlt_jax.rl.trainer import Trainer
+from tlt_jax.rollout.engine import Request
+
+
+def _mean(records: list[dict], key: str) -> float:
+    return float(np.mean([float(r[key]) for r in records]))
+
+
+def bench_rl_step(config: Any, *, steps: int = 3, warmup: int = 1) -> dict[str, Any]:
+    """Runs `warmup + steps` RL steps in a temporary workdir; returns the measurements.
+
+    Args:
+      config: a `TrainConfig` or `ConfigDict` (its `total_steps` is ignored).
+      steps: measured steps (their means are reported).
+      warmup: steps run first to compile every program; not measured.
+
+    Returns:
+      A JSON-serialisable dict: `step_time_s`, `phase_s`, `phase_share`, `rollout_share`,
+      `long_tail_share`, `rollout_tokens_per_s`, `plain_decode_tokens_per_s`,
+      `rollout_vs_plain`, sizes, compile counts and `per_step` records.
+    """
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_config_dict(config)
+    with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as workdir:
+        trainer = Trainer(cfg, workdir, progress=False)
+        try:
+            precompile = trainer.precompile()
+            records = []
+            for _ in range(warmup + steps):
+                records.append(trainer.run_step(next(trainer.iterator)))
+            measured = records[warmup:]
+            plain = _plain_decode(trainer, next(trainer.iterator))
+        finally:
+            trainer.close()
+    step_time = _mean(measured, "step_time")
+    phase_s = {p: _mean(measured, f"time_{p}") for p in PHASES}
+    rollout_tps = _mean(measured, "tokens_per_s")
+    return {
+        "config": cfg.to_dict(),
+        "model": cfg.model.name or cfg.model.preset,
+        "batch": {"prompts": cfg.rl.prompts_per_step, "group_size": cfg.rl.group_size,
+                  "sequences": cfg.rl.batch_size, "micro_batch": cfg.rl.micro_batch_size},
+        "lengths": {"max_new_tokens": cfg.rollout.max_new_tokens,
+                    "max_prompt_len": cfg.rollout.max_prompt_len,
+                    "response_len_mean": _mean(measured, "response_len_mean"),
+                    "response_len_p90": _mean(measured, "response_len_p90"),
+                    "response_len_max": max(r["response_len_max"] for r in measured)},
+        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "steps_measured": steps,
+        "warmup_steps": warmup,
+        "step_time_s": step_time,
+        "phase_s": phase_s,
+        "phase_share": {p: s / step_time for p, s in phase_s.items()},
+        "rollout_share": phase_s["rollout"] / step_time,
+        "long_tail_share": _mean(measured, "long_tail_share"),
+        "rollout_tokens_per_s": rollout_tps,
+        "plain_decode_tokens_per_s": plain,
+        "rollout_vs_plain": rollout_tps / plain if plain else None,
+        "compile_in_measured_steps": sum(r["compile_count"] for r in measured),
+        "precompile": precompile,
+        "per_step": [{k: v for k, v in r.items() if k != "response_lengths"} for r in records],
+    }  # fmt: skip
+
+
+def _plain_decode(trainer: Trainer, examples: list[dict]) -> float:
+    """Generated tokens/s of the same engine on the same kind of batch, every request running
+    to `max_new_tokens` (no stop ids: no early finishes, no long tail). The first pass
+    compiles any missing shape; the second is timed."""
+    cfg = trainer.config
+    g = cfg.rl.group_size
+    requests = [Request(trainer.encode(ex["question"]), cfg.rollout.max_new_tokens,
+                        trainer.sampling, (), seed=i * g + j)
+                for i, ex in enumerate(examples) for j in range(g)]  # fmt: skip
+    trainer.engine.generate(requests, progress=False)
+    start = time.perf_counter()
+    out = trainer.engine.generate(requests, progress=False)
+    seconds = time.perf_counter() - start
+    return sum(len(c.token_ids) for c in out) / seconds

@@ -1,0 +1,382 @@
+"""Typed, validated configuration of an RL run, built from an ml_collections ConfigDict.
+
+`TrainConfig.from_config_dict` is the only place a `ConfigDict` is read: every group becomes a
+frozen dataclass validated in `__post_init__`, so a bad value fails before anything loads or
+compiles, with a message naming the flag (`rl.group_size=1 ...`) and the allowed values. Groups:
+
+- `model`: which policy (a checkpoint, or a random preset for tests), tokenizer, dtypes, mesh.
+- `rl`: batch geometry (prompts, group size, micro-batches), reward, and the algorithm
+  (`tlt_jax.rl.algorithms.AlgorithmConfig` fields, flat in the same group).
+- `data`: `tlt_jax.data.pipeline.DataConfig`.
+- `optim`: AdamW, gradient clipping, learning-rate schedule.
+- `rollout`: sampling and engine sizes.
+- `eval`: held-out evaluation before / after training.
+- `checkpoint`: orbax retention and async saves.
+
+Top level: `total_steps`, `checkpoint_every`, `seed`, `plot_every`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from typing import Any
+
+from tlt_jax.data.pipeline import DataConfig
+from tlt_jax.models.config import DTYPES
+from tlt_jax.models.presets import PRESETS
+from tlt_jax.rl.algorithms import AlgorithmConfig
+from tlt_jax.rl.rewards import REWARD_FUNCTIONS, RewardFunction
+
+TOKENIZERS = ("checkpoint", "byte")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def resolve_reward_fn(name: str) -> RewardFunction:
+    """A registered reward function (`REWARD_FUNCTIONS` key) or one named `module.path:function`.
+
+    Raises:
+      ValueError: naming the registered functions when `name` is neither.
+    """
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    module_name, _, attribute = name.partition(":")
+    fn = None
+    if module_name and attribute:
+        try:
+            fn = getattr(importlib.import_module(module_name), attribute, None)
+        except ImportError:
+            fn = None
+    if not callable(fn):
+        raise ValueError(
+            f"rl.reward_fn={name!r} is not one of {sorted(REWARD_FUNCTIONS)} nor an importable "
+            "'module.path:function'"
+        )
+    return fn
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _positive_int(group: str, name: str, value: Any, minimum: int = 1) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        f"{group}.{name}={value!r} must be an integer >= {minimum}",
+    )
+
+
+def _finite_at_least(group: str, name: str, value: Any, minimum: float) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    _require(
+        ok and math.isfinite(value) and value >= minimum,
+        f"{group}.{name}={value!r} must be a finite number >= {minimum}",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The `model` group.
+
+    Attributes:
+      name: checkpoint: HF directory, .gguf file or short name (`smollm2-135m-instruct`).
+      preset: instead of `name`, a random-init preset from `tlt_jax.models.presets` (tests).
+      tokenizer: `checkpoint` (the checkpoint's HF tokenizer) or `byte` (`ByteTokenizer`).
+      dtype / param_dtype: override the compute / parameter dtype ("" keeps the model's).
+      mesh_shape: (data, tensor) device mesh; (1, 1) runs on one device without a mesh.
+      init_seed: seed of a preset's random initialisation.
+      architecture: optional preset naming the checkpoint's architecture: a loaded checkpoint
+        must match it, and dry plans (`plan_run`) use it where the weights are not present.
+    """
+
+    name: str = ""
+    preset: str = ""
+    architecture: str = ""
+    tokenizer: str = "checkpoint"
+    dtype: str = ""
+    param_dtype: str = ""
+    mesh_shape: tuple[int, int] = (1, 1)
+    init_seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "mesh_shape", tuple(int(s) for s in self.mesh_shape))
+        _require(
+            bool(self.name) != bool(self.preset),
+            f"model.name={self.name!r} and model.preset={self.preset!r}: set exactly one "
+            "(a checkpoint, or a random-init preset)",
+        )
+        for name in ("preset", "architecture"):
+            value = getattr(self, name)
+            _require(
+                value == "" or value in PRESETS,
+                f"model.{name}={value!r} is not one of {sorted(PRESETS)}",
+            )
+        _require(
+            self.tokenizer in TOKENIZERS,
+            f"model.tokenizer={self.tokenizer!r} is not one of {list(TOKENIZERS)}",
+        )
+        for name in ("dtype", "param_dtype"):
+            value = getattr(self, name)
+            _require(
+                value == "" or value in DTYPES,
+                f"model.{name}={value!r} is not one of {['', *DTYPES]} ('' keeps the model's)",
+            )
+        _require(
+            len(self.mesh_shape) == 2 and all(s >= 1 for s in self.mesh_shape),
+            f"model.mesh_shape={self.mesh_shape!r} must be two positive sizes (data, tensor)",
+        )
+        _positive_int("model", "init_seed", self.init_seed, minimum=0)
+
+    @property
+    def uses_mesh(self) -> bool:
+        return self.mesh_shape != (1, 1)
+
+    def dtype_overrides(self) -> dict[str, str]:
+        return {k: getattr(self, k) for k in ("dtype", "param_dtype") if getattr(self, k)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """The `rl` group: batch geometry, reward, and the algorithm.
+
+    Attributes:
+      prompts_per_step: prompts sampled per RL step (P).
+      group_size: completions per prompt (G); the batch has P * G sequences.
+      micro_batch_size: sequences per forward/backward (whole groups: a multiple of G that
+        divides the batch); gradients are accumulated over micro-batches.
+      num_minibatches: optimizer updates per RL step (PPO mini-batches of whole micro-batches).
+      reward_fn: key of `tlt_jax.rl.rewards.REWARD_FUNCTIONS`, or `module.path:function` for a
+        custom `fn(completion, answer) -> float`.
+      format_weight: weight of the format reward added to the task reward.
+      reward_timeout_s: per-completion reward time limit.
+      max_nonfinite_steps: stop after this many consecutive non-finite losses (K).
+      min_length_bucket: smallest padded prompt / response length; lengths pad to powers of two
+        from here, so the train programs compile for a few shapes only.
+      algorithm: advantage estimator, loss aggregation, clipping and KL (flat in the group).
+    """
+
+    prompts_per_step: int = 8
+    group_size: int = 8
+    micro_batch_size: int = 16
+    num_minibatches: int = 1
+    reward_fn: str = "math_accuracy"
+    format_weight: float = 0.0
+    reward_timeout_s: float = 5.0
+    max_nonfinite_steps: int = 3
+    min_length_bucket: int = 16
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+
+    def __post_init__(self):
+        _positive_int("rl", "prompts_per_step", self.prompts_per_step)
+        _positive_int("rl", "group_size", self.group_size, minimum=2)
+        _positive_int("rl", "micro_batch_size", self.micro_batch_size)
+        _positive_int("rl", "num_minibatches", self.num_minibatches)
+        _positive_int("rl", "max_nonfinite_steps", self.max_nonfinite_steps)
+        _positive_int("rl", "min_length_bucket", self.min_length_bucket)
+        batch = self.batch_size
+        _require(
+            self.micro_batch_size % self.group_size == 0 and batch % self.micro_batch_size == 0,
+            f"rl.micro_batch_size={self.micro_batch_size} must be a multiple of "
+            f"rl.group_size={self.group_size} that divides the batch "
+            f"rl.prompts_per_step * rl.group_size = {batch}; allowed: "
+            f"{[m for m in range(self.group_size, batch + 1, self.group_size) if batch % m == 0]}",
+        )
+        micro_batches = batch // self.micro_batch_size
+        _require(
+            micro_batches % self.num_minibatches == 0,
+            f"rl.num_minibatches={self.num_minibatches} must divide the {micro_batches} "
+            f"micro-batches per step; allowed: "
+            f"{[n for n in range(1, micro_batches + 1) if micro_batches % n == 0]}",
+        )
+        resolve_reward_fn(self.reward_fn)
+        _finite_at_least("rl", "format_weight", self.format_weight, 0.0)
+        _finite_at_least("rl", "reward_timeout_s", self.reward_timeout_s, 1e-3)
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The `optim` group: AdamW after global-norm clipping, with a schedule.
+
+    `schedule`: `constant` (after linear warm-up), `cosine` (warm-up then cosine decay to
+    `end_lr_ratio * learning_rate` at `total_steps` optimizer updates) or `linear` (the same,
+    decaying linearly).
+    """
+
+    learning_rate: float = 1e-6
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    end_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        _finite_at_least("optim", "learning_rate", self.learning_rate, 0.0)
+        _require(
+            self.schedule in SCHEDULES,
+            f"optim.schedule={self.schedule!r} is not one of {list(SCHEDULES)}",
+        )
+        _positive_int("optim", "warmup_steps", self.warmup_steps, minimum=0)
+        for name in ("b1", "b2", "end_lr_ratio"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int | float) and 0 <= value <= 1 and (name == "end_lr_ratio"
+                                                                       or value < 1),
+                f"optim.{name}={value!r} must be in [0, {'1]' if name == 'end_lr_ratio' else '1)'}",
+            )  # fmt: skip
+        _finite_at_least("optim", "eps", self.eps, 0.0)
+        _finite_at_least("optim", "weight_decay", self.weight_decay, 0.0)
+        _finite_at_least("optim", "grad_clip", self.grad_clip, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """The `rollout` group: sampling of training completions and the engine's sizes.
+
+    Attributes:
+      temperature: sampling temperature (> 0: the G samples of a group must differ).
+      top_p / top_k: nucleus and top-k truncation (1.0 / 0 disable them).
+      max_new_tokens: response length limit.
+      max_prompt_len: longest prompt accepted (tokens); sizes the engine's context.
+      max_batch_size: engine slots (requests decoded together).
+      max_prefill_batch: prompts prefilled per program call.
+      min_prompt_bucket: smallest padded prompt length of the engine's prefill (buckets double
+        from here up to the context); `max_prompt_len` gives one bucket, tight for prompts of
+        similar length.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    max_prompt_len: int = 256
+    max_batch_size: int = 64
+    max_prefill_batch: int = 8
+    min_prompt_bucket: int = 16
+
+    def __post_init__(self):
+        _require(
+            isinstance(self.temperature, int | float) and self.temperature > 0,
+            f"rollout.temperature={self.temperature!r} must be > 0 (greedy groups have "
+            "identical samples and zero advantages)",
+        )
+        _require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p!r} must be in (0, 1]")
+        _positive_int("rollout", "top_k", self.top_k, minimum=0)
+        for name in (
+            "max_new_tokens",
+            "max_prompt_len",
+            "max_batch_size",
+            "max_prefill_batch",
+            "min_prompt_bucket",
+        ):
+            _positive_int("rollout", name, getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """The `eval` group: greedy accuracy on the held-out split (`data.eval_split`).
+
+    Attributes:
+      num_problems: the first N problems of the split (0: no evaluation).
+      max_new_tokens: response length limit when evaluating.
+      at_start / at_end: evaluate before the first and after the last step.
+    """
+
+    num_problems: int = 200
+    max_new_tokens: int = 256
+    at_start: bool = True
+    at_end: bool = True
+
+    def __post_init__(self):
+        _positive_int("eval", "num_problems", self.num_problems, minimum=0)
+        _positive_int("eval", "max_new_tokens", self.max_new_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """The `checkpoint` group (the save interval is the top-level `checkpoint_every`)."""
+
+    max_to_keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        _positive_int("checkpoint", "max_to_keep", self.max_to_keep)
+
+
+_GROUPS: dict[str, type] = {
+    "model": ModelSettings,
+    "rl": RLConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "rollout": RolloutConfig,
+    "eval": EvalConfig,
+    "checkpoint": CheckpointConfig,
+}
+_ALGORITHM_FIELDS = tuple(f.name for f in dataclasses.fields(AlgorithmConfig))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A whole RL run. Build with `from_config_dict`; every group is already validated."""
+
+    model: ModelSettings
+    rl: RLConfig = RLConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    total_steps: int = 100
+    checkpoint_every: int = 10
+    seed: int = 0
+    plot_every: int = 1
+
+    def __post_init__(self):
+        _positive_int("config", "total_steps", self.total_steps)
+        _positive_int("config", "checkpoint_every", self.checkpoint_every)
+        _positive_int("config", "seed", self.seed, minimum=0)
+        _positive_int("config", "plot_every", self.plot_every)
+
+    @classmethod
+    def from_config_dict(cls, config: Any) -> TrainConfig:
+        """Converts an ml_collections `ConfigDict` (or a plain nested dict).
+
+        Raises:
+          ValueError: for an unknown group or field (naming the allowed ones) or an invalid
+            value (naming the field and the allowed values).
+        """
+        raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        top_fields = {f.name for f in dataclasses.fields(cls)} - set(_GROUPS)
+        unknown = sorted(set(raw) - top_fields - set(_GROUPS))
+        _require(not unknown, f"config keys {unknown} are unknown; expected "
+                 f"groups {sorted(_GROUPS)} and fields {sorted(top_fields)}")  # fmt: skip
+        kwargs: dict[str, Any] = {k: raw[k] for k in top_fields if k in raw}
+        for group, group_cls in _GROUPS.items():
+            values = dict(raw.get(group) or {})
+            if group == "rl":
+                algorithm = {k: values.pop(k) for k in _ALGORITHM_FIELDS if k in values}
+                values["algorithm"] = AlgorithmConfig(**algorithm)
+                allowed = {f.name for f in dataclasses.fields(group_cls)} - {"algorithm"}
+                allowed |= set(_ALGORITHM_FIELDS)
+            else:
+                allowed = {f.name for f in dataclasses.fields(group_cls)}
+            unknown = sorted(set(values) - allowed - {"algorithm"})
+            _require(not unknown, f"{group}.{unknown[0] if unknown else ''} is not a field of "
+                     f"the {group!r} group; expected one of {sorted(allowed)}")  # fmt: skip
+            kwargs[group] = group_cls(**values)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (the `rl` group flat again), stored in checkpoints."""
+        out = dataclasses.asdict(self)
+        out["rl"].update(out["rl"].pop("algorithm"))
+        out["model"]["mesh_shape"] = list(self.model.mesh_shape)
+        return out

@@ -1,0 +1,122 @@
+"""Greedy evaluation on a held-out split: accuracy with its binomial standard error."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tlt_jax.rl.rewards import score_batch
+from tlt_jax.rollout.engine import Request
+from tlt_jax.rollout.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """Accuracy of greedy answers on `num_problems` problems.
+
+    Attributes:
+      accuracy: share of problems whose extracted answer equals the gold one.
+      stderr: binomial standard error, sqrt(p (1 - p) / n).
+      num_problems: n.
+      mean_length: mean response length (tokens).
+      correct: per problem, in split order.
+      lengths: per problem response lengths.
+      seconds: wall time of generation and scoring.
+      responses: per problem response text.
+    """
+
+    accuracy: float
+    stderr: float
+    num_problems: int
+    mean_length: float
+    correct: tuple[bool, ...]
+    lengths: tuple[int, ...]
+    seconds: float
+    responses: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["correct"] = [bool(c) for c in self.correct]
+        out["lengths"] = [int(n) for n in self.lengths]
+        out["responses"] = list(self.responses)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EvalResult:
+        tuples = {k: tuple(d.get(k, ())) for k in ("correct", "lengths", "responses")}
+        return cls(**{**d, **tuples})
+
+    def summary(self) -> str:
+        return (f"{self.accuracy:.3f} +- {self.stderr:.3f} (n={self.num_problems}, "
+                f"mean length {self.mean_length:.1f} tokens)")  # fmt: skip
+
+
+def binomial_stderr(accuracy: float, n: int) -> float:
+    return math.sqrt(accuracy * (1 - accuracy) / n) if n else float("nan")
+
+
+def paired_difference(before: EvalResult, after: EvalResult) -> dict[str, float]:
+    """after - before on the same problems, with the paired standard error.
+
+    The problems are the same, so the difference's error comes from the discordant pairs only:
+    with g problems gained and l lost out of n, diff = (g - l) / n and
+    se = sqrt(g + l - (g - l)^2 / n) / n (the sample std of per-problem differences over sqrt n).
+    """
+    if before.num_problems != after.num_problems:
+        raise ValueError(f"{before.num_problems=} != {after.num_problems=}: not the same problems")
+    b, a = np.asarray(before.correct, bool), np.asarray(after.correct, bool)
+    n = len(b)
+    gained, lost = int(np.sum(a & ~b)), int(np.sum(b & ~a))
+    diff = (gained - lost) / n if n else float("nan")
+    se = math.sqrt(max(gained + lost - (gained - lost) ** 2 / n, 0.0)) / n if n else float("nan")
+    return {"diff": diff, "stderr": se, "gained": gained, "lost": lost, "n": n}
+
+
+def evaluate(
+    engine,
+    encode: Callable[[str], tuple[int, ...]],
+    decode: Callable[[Sequence[int]], str],
+    examples: Sequence[dict],
+    *,
+    max_new_tokens: int,
+    stop_ids: tuple[int, ...],
+    reward_fn: str | Callable[[str, str], float] = "math_accuracy",
+    progress: bool | None = None,
+) -> EvalResult:
+    """Greedy answers of the engine's current weights to `examples`, scored by `reward_fn`.
+
+    Args:
+      engine: a `RolloutEngine` holding the policy to evaluate.
+      encode: question -> prompt token ids (the training prompt rendering).
+      decode: response token ids -> text.
+      examples: dicts with `question` and `answer`.
+      max_new_tokens: response length limit.
+      stop_ids: tokens that end a response.
+      reward_fn: a key of `REWARD_FUNCTIONS` or a function; correct when it is > 0.
+      progress: show the engine's progress bar.
+    """
+    start = time.perf_counter()
+    requests = [Request(encode(ex["question"]), max_new_tokens, SamplingParams(), stop_ids)
+                for ex in examples]  # fmt: skip
+    completions = engine.generate(requests, progress=progress) if requests else []
+    texts = [decode(c.token_ids) for c in completions]
+    scored = score_batch(reward_fn, texts, [str(ex["answer"]) for ex in examples])
+    correct = tuple(bool(c) for c in scored.correct)
+    lengths = tuple(len(c.token_ids) for c in completions)
+    n = len(examples)
+    accuracy = float(np.mean(correct)) if n else float("nan")
+    return EvalResult(
+        accuracy=accuracy,
+        stderr=binomial_stderr(accuracy, n),
+        num_problems=n,
+        mean_length=float(np.mean(lengths)) if n else 0.0,
+        correct=correct,
+        lengths=lengths,
+        seconds=time.perf_counter() - start,
+        responses=tuple(texts),
+    )

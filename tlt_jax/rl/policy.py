@@ -1,0 +1,227 @@
+"""Building the policy of a run: mesh, model, tokenizer, train <-> rollout copies, dry plans.
+
+The engine keeps the policy laid out by the `rollout` rules; the trainer keeps its own copy
+laid out by the `train` rules (FSDP x tensor parallel). The two never share buffers: the train
+state is donated to every update, so each direction is an explicit jitted copy
+(`resharding_copies`), which is also where a layout change happens on a real mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+from tlt_jax.data.tokenizer import ByteTokenizer, PromptEncoder
+from tlt_jax.models import checkpoints
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.presets import get_preset
+from tlt_jax.models.transformer import Transformer, abstract_state, init_model
+from tlt_jax.parallel import sharding as sharding_lib
+from tlt_jax.rl import step as step_lib
+from tlt_jax.rl.config import ModelSettings, TrainConfig
+from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+
+MESH_AXES = ("data", "tensor")
+
+
+def build_mesh(settings: ModelSettings) -> Mesh | None:
+    """The run's device mesh; None for `mesh_shape == (1, 1)` (one device, no sharding)."""
+    if not settings.uses_mesh:
+        return None
+    return sharding_lib.make_mesh(settings.mesh_shape, MESH_AXES)
+
+
+def model_config(settings: ModelSettings) -> ModelConfig:
+    """The architecture of the run's policy without loading weights."""
+    if settings.preset:
+        return get_preset(settings.preset, **settings.dtype_overrides())
+    return checkpoints.load_config(settings.name, **settings.dtype_overrides())
+
+
+def planned_model_config(settings: ModelSettings) -> ModelConfig:
+    """`architecture`'s preset when set (no file is read), else `model_config`."""
+    if settings.architecture:
+        return get_preset(settings.architecture, **settings.dtype_overrides())
+    return model_config(settings)
+
+
+_ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                        "num_layers", "num_heads", "num_kv_heads", "head_dim")  # fmt: skip
+
+
+def build_policy(settings: ModelSettings, mesh: Mesh | None) -> Transformer:
+    """The policy laid out by the `rollout` rules: loaded from `name`, or a random preset.
+
+    Raises:
+      ValueError: when the checkpoint's architecture differs from `model.architecture`.
+    """
+    if not settings.preset:
+        if settings.architecture:
+            found = checkpoints.load_config(settings.name)
+            expected = get_preset(settings.architecture)
+            diff = {f: (getattr(found, f), getattr(expected, f)) for f in _ARCHITECTURE_FIELDS
+                    if getattr(found, f) != getattr(expected, f)}  # fmt: skip
+            if diff:
+                raise ValueError(
+                    f"model.name={settings.name!r} is not a "
+                    f"model.architecture={settings.architecture!r}: (checkpoint, preset) "
+                    f"differ at {diff}"
+                )
+        return checkpoints.load_model(settings.name, mesh=mesh, role="rollout",
+                                      **settings.dtype_overrides())  # fmt: skip
+    model = init_model(model_config(settings), seed=settings.init_seed)
+    if mesh is not None:
+        graphdef, state = nnx.split(model)
+        shardings = sharding_lib.state_shardings(state, mesh, sharding_lib.rules_for("rollout"))
+        model = nnx.merge(graphdef, jax.device_put(state, shardings))
+    return model
+
+
+def build_tokenizer(settings: ModelSettings):
+    """`ByteTokenizer` for `tokenizer == "byte"`, else the checkpoint's HF tokenizer."""
+    if settings.tokenizer == "byte":
+        return ByteTokenizer()
+    if not settings.name:
+        raise ValueError(
+            "model.tokenizer='checkpoint' needs model.name (a checkpoint); a preset has no "
+            "tokenizer, set --config.model.tokenizer=byte"
+        )
+    return checkpoints.load_tokenizer(settings.name)
+
+
+def build_engine(config: TrainConfig, model: Transformer) -> RolloutEngine:
+    """The rollout engine sized for the run's prompts and its longest responses."""
+    max_new = max(config.rollout.max_new_tokens, config.eval.max_new_tokens)
+    return RolloutEngine(model, EngineConfig(
+        max_batch_size=config.rollout.max_batch_size,
+        max_seq_len=config.rollout.max_prompt_len + max_new,
+        max_prefill_batch=config.rollout.max_prefill_batch,
+        min_prompt_bucket=config.rollout.min_prompt_bucket,
+    ))  # fmt: skip
+
+
+def build_encoder(config: TrainConfig, tokenizer) -> PromptEncoder:
+    """Question -> prompt ids, rendered as `data` says (shared by training and evaluation)."""
+    return PromptEncoder(
+        tokenizer, instruction=config.data.instruction,
+        use_chat_template=config.data.use_chat_template,
+        max_prompt_len=config.rollout.max_prompt_len, system_prompt=config.data.system_prompt,
+    )  # fmt: skip
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def resharding_copies(rollout_params: nnx.State, mesh: Mesh | None):
+    """(to_train, to_rollout): jitted copies between the engine's and the trainer's layouts.
+
+    Without a mesh both are plain device copies (fresh buffers, so donating the train state
+    never frees the engine's weights).
+    """
+    if mesh is None:
+        copy = jax.jit(_copy)
+        return copy, copy
+    train = sharding_lib.state_shardings(rollout_params, mesh, sharding_lib.rules_for("train"))
+    rollout = jax.tree.map(lambda x: x.sharding, rollout_params)
+    return jax.jit(_copy, out_shardings=train), jax.jit(_copy, out_shardings=rollout)
+
+
+# ----------------------------------------------------------------------------- dry plans
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """Shapes and per-device bytes of a run's train state, computed without allocating."""
+
+    model: ModelConfig
+    mesh_shape: tuple[int, int]
+    num_params: int
+    param_bytes_per_device: int
+    opt_state_bytes_per_device: int
+    abstract_state: Any  # TrainState of ShapeDtypeStructs with shardings
+
+
+def abstract_mesh(shape: tuple[int, int]) -> AbstractMesh:
+    return AbstractMesh(tuple(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
+
+
+def plan_run(config: TrainConfig, model: ModelConfig | None = None,
+             mesh: Mesh | AbstractMesh | None = None) -> RunPlan:  # fmt: skip
+    """The train state of `config` as `ShapeDtypeStruct`s with train-role shardings.
+
+    Args:
+      config: the run config.
+      model: the architecture (default: `model_config(config.model)`; pass a preset to plan a
+        checkpoint that is not on this machine).
+      mesh: a device or abstract mesh (default: an abstract mesh of `model.mesh_shape`).
+    """
+    model = model or planned_model_config(config.model)
+    mesh = mesh if mesh is not None else abstract_mesh(config.model.mesh_shape)
+    _, params = abstract_state(model, mesh, sharding_lib.rules_for("train"))
+    optimizer = step_lib.make_optimizer(config.optim, config.total_steps)
+    state = jax.eval_shape(lambda p: step_lib.init_train_state(p, optimizer, config.seed), params)
+    # eval_shape drops shardings: params keep theirs, optimizer moments follow their params.
+    by_path = {jax.tree_util.keystr(path): leaf.sharding
+               for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}  # fmt: skip
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(path, leaf):
+        key = jax.tree_util.keystr(path)
+        sharding = next((s for p, s in by_path.items() if key.endswith(p)), replicated)
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+    state = state.replace(
+        params=params,
+        opt_state=jax.tree_util.tree_map_with_path(place, state.opt_state),
+        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        rng=jax.ShapeDtypeStruct(state.rng.shape, state.rng.dtype, sharding=replicated),
+    )
+    param_bytes = sharding_lib.per_device_bytes(params)
+    leaves = jax.tree.leaves(params)
+    return RunPlan(
+        model=model,
+        mesh_shape=tuple(mesh.shape[a] for a in MESH_AXES),
+        num_params=int(sum(np.prod(x.shape) for x in leaves)),
+        param_bytes_per_device=param_bytes,
+        opt_state_bytes_per_device=sharding_lib.per_device_bytes(state.opt_state),
+        abstract_state=state,
+    )
+
+
+def lower_grad_program(config: TrainConfig, plan: RunPlan, *, prompt_len: int,
+                       response_len: int, platform: str = "tpu"):  # fmt: skip
+    """Lowers one micro-batch's gradient program for `plan` (abstract mesh, nothing allocated).
+
+    Returns:
+      The `jax.stages.Lowered` program (its text, cost and shardings can be inspected).
+    """
+    params = plan.abstract_state.params
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    rl = config.rl
+    b, p = rl.micro_batch_size, rl.micro_batch_size // rl.group_size
+    batch = step_lib.SequenceBatch(spec((p, prompt_len), jnp.int32), spec((p,), jnp.int32),
+                                   spec((b, response_len), jnp.int32),
+                                   spec((b, response_len), jnp.bool_))  # fmt: skip
+    inputs = step_lib.LossInputs(spec((b, response_len), jnp.float32),
+                                 spec((b, response_len), jnp.float32), spec((b,), jnp.float32),
+                                 spec((), jnp.float32))  # fmt: skip
+    accum = {name: spec((), jnp.float32) for name in step_lib.ACCUMULATED_METRICS}
+    accum["grads"] = params
+    graphdef, _ = abstract_state(plan.model)
+    fn = step_lib.partial_program(step_lib.grad_program, graphdef, algorithm=rl.algorithm,
+                                  temperature=float(config.rollout.temperature))  # fmt: skip
+    with sharding_lib.use_sharding(mesh, sharding_lib.rules_for("train")):
+        traced = jax.jit(fn, donate_argnums=(1,)).trace(params, accum, batch, inputs)
+        return traced.lower(lowering_platforms=(platform,))

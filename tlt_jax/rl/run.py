@@ -1,0 +1,197 @@
+"""Entry points of the command-line scripts: train-and-evaluate, evaluate a run.
+
+`train_and_evaluate` is what `scripts/train.py` calls: greedy accuracy on the held-out split
+before training (skipped on resume; read back from `eval_before.json`), the RL steps, accuracy
+after, then a report: both accuracies with their binomial standard errors and the paired
+difference, the per-phase time table and where the plots are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from tlt_jax.checkpointing.manager import RunCheckpointer
+from tlt_jax.data.pipeline import load_data
+from tlt_jax.data.tokenizer import stop_token_ids
+from tlt_jax.metrics.plots import PLOT_FILES
+from tlt_jax.metrics.timing import PHASES
+from tlt_jax.metrics.writer import read_metrics
+from tlt_jax.rl import evaluation, policy
+from tlt_jax.rl import step as step_lib
+from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
+from tlt_jax.rl.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def _as_train_config(config: Any) -> TrainConfig:
+    return config if isinstance(config, TrainConfig) else TrainConfig.from_config_dict(config)
+
+
+def _eval_file(workdir: Path, tag: str) -> Path:
+    return workdir / f"eval_{tag}.json"
+
+
+def _save_eval(workdir: Path, tag: str, result: evaluation.EvalResult, step: int) -> None:
+    _eval_file(workdir, tag).write_text(json.dumps({"step": step, **result.to_dict()}))
+
+
+def _load_eval(workdir: Path, tag: str) -> evaluation.EvalResult | None:
+    path = _eval_file(workdir, tag)
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    data.pop("step", None)
+    return evaluation.EvalResult.from_dict(data)
+
+
+def _compile_summary(workdir: Path) -> str:
+    path = workdir / "compile_report.json"
+    if not path.is_file():
+        return ""
+    rows = json.loads(path.read_text())
+    peak = max((r.get("temp", 0) + r.get("argument", 0) + r.get("output", 0)
+                - r.get("alias", 0) for r in rows), default=0)  # fmt: skip
+    seconds = sum(r["compile_s"] for r in rows)
+    return (f"train programs compiled before step 1: {len(rows)} in {seconds:.1f} s; largest "
+            f"footprint (arguments + outputs + temporaries) {peak / 2**30:.2f} GiB "
+            f"({path.name})")  # fmt: skip
+
+
+def phase_table(records: list[dict[str, Any]]) -> str:
+    """Mean and total seconds per phase over the records (steps), as aligned text."""
+    if not records:
+        return "(no steps ran)"
+    rows = [(phase, [float(r.get(f"time_{phase}", 0.0)) for r in records]) for phase in PHASES]
+    rows.append(("step", [float(r.get("step_time", 0.0)) for r in records]))
+    step_total = sum(rows[-1][1]) or 1.0
+    lines = [f"{'phase':<9}{'mean s/step':>12}{'total s':>10}{'share':>8}"]
+    for name, values in rows:
+        lines.append(f"{name:<9}{np.mean(values):>12.2f}{sum(values):>10.1f}"
+                     f"{sum(values) / step_total:>8.1%}")  # fmt: skip
+    tail = np.mean([float(r.get("long_tail_share", 0.0)) for r in records])
+    tps = np.mean([float(r.get("tokens_per_s", 0.0)) for r in records])
+    lines.append(f"rollout long-tail share (time after 90% of requests finished): {tail:.1%}; "
+                 f"generated tokens/s in rollout: {tps:.1f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | None = None
+                       ) -> dict[str, Any]:  # fmt: skip
+    """Evaluates, trains to `total_steps` (resuming from `workdir`), evaluates, reports.
+
+    Args:
+      config: a `TrainConfig` or an ml_collections `ConfigDict` (validated here, before any
+        loading or compiling).
+      workdir: checkpoints, `metrics.jsonl`, TensorBoard events, plots and eval results.
+      progress: progress bars (default: when stderr is a terminal).
+
+    Returns:
+      A summary dict: `before` / `after` eval results (dicts), `paired` difference, `steps`,
+      `wall_s`, `plots`, `report` (the printed text).
+    """
+    start = time.perf_counter()
+    cfg = _as_train_config(config)
+    workdir = Path(workdir)
+    trainer = Trainer(cfg, workdir, progress=progress)
+    try:
+        before = _load_eval(workdir, "before")
+        if before is None and cfg.eval.at_start and cfg.eval.num_problems:
+            if trainer.step_count == 0:
+                before = trainer.evaluate()
+                _save_eval(workdir, "before", before, 0)
+                log.info("accuracy before training: %s", before.summary())
+        trainer.train()
+        after = None
+        if cfg.eval.at_end and cfg.eval.num_problems:
+            after = trainer.evaluate()
+            _save_eval(workdir, "after", after, trainer.step_count)
+        plots = trainer.plot()
+    finally:
+        trainer.close()
+    records = read_metrics(workdir)
+    lines = [f"workdir: {workdir}", f"steps: {trainer.step_count} (config total_steps "
+             f"{cfg.total_steps}; resumed from {trainer.restored_from})"]  # fmt: skip
+    paired = None
+    split = f"{cfg.data.name}/{cfg.data.level if cfg.data.name == 'arithmetic' else ''}"
+    if before is not None:
+        lines.append(f"accuracy before ({split} {cfg.data.eval_split}, greedy): "
+                     f"{before.summary()}")  # fmt: skip
+    if after is not None:
+        lines.append(f"accuracy after  ({split} {cfg.data.eval_split}, greedy): "
+                     f"{after.summary()}")  # fmt: skip
+    if before is not None and after is not None:
+        paired = evaluation.paired_difference(before, after)
+        lines.append(
+            f"difference: {paired['diff']:+.3f} +- {paired['stderr']:.3f} (paired, same "
+            f"{paired['n']} problems: {paired['gained']} gained, {paired['lost']} lost)"
+        )
+    compiled = _compile_summary(workdir)
+    if compiled:
+        lines.append(compiled)
+    lines.append("time per phase:")
+    lines.append(phase_table(records))
+    lines.append(f"plots: {', '.join(str(p) for p in plots) or 'none'}")
+    lines.append(f"metrics: {workdir / 'metrics.jsonl'}; tensorboard: {workdir / 'tensorboard'}")
+    wall = time.perf_counter() - start
+    lines.append(f"wall time: {wall:.1f} s")
+    report = "\n".join(lines)
+    print(report, flush=True)
+    return {
+        "before": None if before is None else before.to_dict(),
+        "after": None if after is None else after.to_dict(),
+        "paired": paired,
+        "steps": trainer.step_count,
+        "wall_s": wall,
+        "plots": [str(p) for p in plots],
+        "plot_names": list(PLOT_FILES),
+        "report": report,
+    }
+
+
+def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int | None = None,
+                 progress: bool | None = None) -> tuple[int, evaluation.EvalResult]:  # fmt: skip
+    """Greedy accuracy of the latest checkpoint in `workdir` (or of the config's model when
+    `workdir` is None or holds no checkpoint) on the held-out split. Writes nothing.
+
+    Returns:
+      (the checkpoint's step, 0 for the untrained model; the result).
+    """
+    cfg = _as_train_config(config)
+    examples = load_data(cfg.data, cfg.data.eval_split)
+    mesh = policy.build_mesh(cfg.model)
+    model = policy.build_policy(cfg.model, mesh)
+    tokenizer = policy.build_tokenizer(cfg.model)
+    engine = policy.build_engine(cfg, model)
+    step = 0
+    directory = None if workdir is None else Path(workdir) / "checkpoints"
+    if directory is not None and directory.is_dir():
+        checkpointer = RunCheckpointer(directory)
+        if checkpointer.latest_step() is not None:
+            to_train, to_rollout = policy.resharding_copies(engine.params, mesh)
+            optimizer = step_lib.make_optimizer(cfg.optim, cfg.total_steps)
+            like = jax.eval_shape(
+                lambda p: step_lib.init_train_state(to_train(p), optimizer, cfg.seed),
+                engine.params,
+            )
+            restored = checkpointer.restore(like)
+            engine.update_params(to_rollout(restored.state.params))
+            step = restored.step
+        checkpointer.close()
+    n = cfg.eval.num_problems if num_problems is None else num_problems
+    result = evaluation.evaluate(
+        engine, policy.build_encoder(cfg, tokenizer),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True), examples[:n],
+        max_new_tokens=cfg.eval.max_new_tokens, stop_ids=stop_token_ids(tokenizer),
+        reward_fn=resolve_reward_fn(cfg.rl.reward_fn), progress=progress,
+    )  # fmt: skip
+    print(f"{cfg.data.name} {cfg.data.eval_split} at step {step}: accuracy {result.summary()}",
+          flush=True)  # fmt: skip
+    return step, result

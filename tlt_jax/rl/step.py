@@ -1,0 +1,403 @@
+"""The RL step's device programs: log-prob recompute, gradient accumulation, optimizer update.
+
+Dimension legend (as in `algorithms.py`): P prompts in a micro-batch, G group size,
+B = P * G sequences, S padded prompt length, T padded response length, D model, V vocab.
+
+Layout: a micro-batch holds whole groups. The G completions of a prompt share its forward:
+the prompt runs once (`[P, S]`), its keys/values are repeated G times as the KV cache of the
+response forward (`[B, T]`, positions continuing after each prompt). This is the same math as a
+forward over every `prompt + response` row (a parity test checks it), at about
+`(S + G * T) / (G * (S + T))` of the cost, and gradients flow through the shared prompt keys
+and values. The log-prob of response token t comes from the feature before it: the last prompt
+feature for t = 0, the response feature t - 1 otherwise.
+
+Programs are pure and compiled ahead of time per padded shape (`ProgramPool`):
+- `logprob_program(params, batch) -> (logprobs_BxT, prompt_features_PxSxD, features_BxTxD)`.
+- `grad_program(params, accum, batch, ...) -> accum` adds one micro-batch's weighted loss
+  gradient into the accumulator (donated).
+- `apply_program(state, accum) -> (state, metrics)` takes one AdamW step (state and
+  accumulator donated), or keeps the state unchanged when the loss or gradient is not finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+
+from tlt_jax.models.transformer import KVCache
+from tlt_jax.rl import algorithms
+from tlt_jax.rl.config import OptimConfig
+
+# Weighted sums kept in the gradient accumulator besides the gradients themselves.
+ACCUMULATED_METRICS = (
+    "loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "approx_kl_old", "weight",
+)  # fmt: skip
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the policy update owns; checkpointed whole."""
+
+    params: nnx.State  # the policy's parameters (train shardings)
+    opt_state: Any  # optax state over `params`
+    step: jax.Array  # int32 scalar, RL steps completed
+    rng: jax.Array  # uint32 [2], raw key data of the run's base key (rollout seeds derive from it)
+
+
+@struct.dataclass
+class SequenceBatch:
+    """One micro-batch of whole groups (host numpy until a program receives it)."""
+
+    prompt_tokens_PxS: Any  # int32, right-padded prompts
+    prompt_lens_P: Any  # int32, real prompt lengths
+    response_tokens_BxT: Any  # int32, right-padded responses; row b answers prompt b // G
+    response_mask_BxT: Any  # bool, real response tokens
+
+
+@struct.dataclass
+class LossInputs:
+    """Per-micro-batch inputs of the policy loss besides the sequences."""
+
+    old_logprobs_BxT: Any  # float32, log-probs under the policy that sampled (recomputed)
+    ref_logprobs_BxT: Any  # float32, reference-policy log-probs (zeros when kl_coef == 0)
+    advantages_B: Any  # float32
+    weight: Any  # float32 scalar, this micro-batch's share of the mini-batch's aggregation
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def learning_rate_schedule(config: OptimConfig, total_updates: int) -> optax.Schedule:
+    """Linear warm-up, then constant, cosine or linear decay over `total_updates`."""
+    peak, warmup = config.learning_rate, config.warmup_steps
+    end = peak * config.end_lr_ratio
+    decay_steps = max(total_updates - warmup, 1)
+    if config.schedule == "constant":
+        main = optax.constant_schedule(peak)
+    elif config.schedule == "cosine":
+        main = optax.cosine_decay_schedule(peak, decay_steps, alpha=config.end_lr_ratio)
+    else:
+        main = optax.linear_schedule(peak, end, decay_steps)
+    if warmup == 0:
+        return main
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), main], [warmup])
+
+
+def _decay_mask(params):
+    # Weight decay on matrices only: not on norms or biases.
+    def decays(path, _):
+        name = jax.tree_util.keystr(path)
+        return "norm" not in name and "bias" not in name
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(config: OptimConfig, total_updates: int) -> optax.GradientTransformation:
+    """AdamW (decay on matrices only) after global-norm clipping (`grad_clip` 0 disables it)."""
+    adamw = optax.adamw(
+        learning_rate_schedule(config, total_updates), b1=config.b1, b2=config.b2,
+        eps=config.eps, weight_decay=config.weight_decay, mask=_decay_mask,
+    )  # fmt: skip
+    if config.grad_clip == 0:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+
+
+def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int
+                     ) -> TrainState:  # fmt: skip
+    """A fresh state at step 0 (optimizer state follows the params' shardings)."""
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key_data(jax.random.key(seed)).astype(jnp.uint32),
+    )
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def sequence_forward(model, batch: SequenceBatch, temperature: float):
+    """Log-probs of every response token and the final-norm features, prompts shared.
+
+    Args:
+      model: the policy (`Transformer`).
+      batch: one micro-batch of whole groups.
+      temperature: the sampling temperature (log-probs of `softmax(logits / temperature)`).
+
+    Returns:
+      (logprobs_BxT float32, logits_BxTxV float32, prompt_features_PxSxD, features_BxTxD).
+    """
+    p, s = batch.prompt_tokens_PxS.shape
+    b, t = batch.response_tokens_BxT.shape
+    group = b // p
+    prompt_positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
+    prompt_features, prompt_kv = model(batch.prompt_tokens_PxS, prompt_positions)
+    prompt_lens_B = jnp.repeat(batch.prompt_lens_P, group)
+    cache = KVCache(k=jnp.repeat(prompt_kv.k, group, axis=1),
+                    v=jnp.repeat(prompt_kv.v, group, axis=1))  # fmt: skip
+    positions = prompt_lens_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    features, _ = model(batch.response_tokens_BxT, positions, cache=cache,
+                        cache_lens_B=prompt_lens_B)  # fmt: skip
+    last_prompt = jnp.take_along_axis(
+        prompt_features, (batch.prompt_lens_P - 1)[:, None, None], axis=1
+    )  # [P, 1, D]
+    predicting = jnp.concatenate(
+        [jnp.repeat(last_prompt, group, axis=0), features[:, :-1]], axis=1
+    )  # feature before each response token
+    logits = model.logits(predicting)
+    logprobs = algorithms.token_logprobs(logits, batch.response_tokens_BxT, temperature)
+    return logprobs, logits, prompt_features, features
+
+
+def logprob_program(graphdef, params, batch: SequenceBatch, *, temperature: float):
+    """(logprobs_BxT, prompt_features_PxSxD, features_BxTxD) of one micro-batch, no gradient."""
+    model = nnx.merge(graphdef, params)
+    logprobs, _, prompt_features, features = sequence_forward(model, batch, temperature)
+    mask = batch.response_mask_BxT
+    return jnp.where(mask, logprobs, 0.0), prompt_features, features
+
+
+def _micro_batch_loss(params, graphdef, batch: SequenceBatch, inputs: LossInputs, *,
+                      algorithm: algorithms.AlgorithmConfig, temperature: float):  # fmt: skip
+    model = nnx.merge(graphdef, params)
+    logprobs, logits, _, _ = sequence_forward(model, batch, temperature)
+    ref = inputs.ref_logprobs_BxT if algorithm.kl_coef else None
+    loss, metrics = algorithms.compute_loss(
+        algorithm, logprobs, inputs.old_logprobs_BxT, inputs.advantages_B,
+        batch.response_mask_BxT, ref,
+    )  # fmt: skip
+    # Entropy of the sampling distribution (temperature applied), a metric only.
+    entropy = algorithms.entropy_from_logits(jax.lax.stop_gradient(logits) / temperature,
+                                             batch.response_mask_BxT)  # fmt: skip
+    metrics = dict(metrics, entropy=entropy, loss=loss)
+    return loss * inputs.weight, metrics
+
+
+def grad_program(graphdef, params, accum: dict, batch: SequenceBatch, inputs: LossInputs, *,
+                 algorithm: algorithms.AlgorithmConfig, temperature: float) -> dict:  # fmt: skip
+    """Adds one micro-batch's weighted loss gradient (and weighted metrics) into `accum`."""
+    grad_fn = jax.grad(_micro_batch_loss, has_aux=True)
+    grads, metrics = grad_fn(params, graphdef, batch, inputs, algorithm=algorithm,
+                             temperature=temperature)  # fmt: skip
+    out = {"grads": jax.tree.map(lambda a, g: a + g.astype(a.dtype), accum["grads"], grads)}
+    weight = inputs.weight.astype(jnp.float32)
+    for name in ACCUMULATED_METRICS:
+        value = weight if name == "weight" else weight * metrics[name]
+        out[name] = accum[name] + value
+    return out
+
+
+def zero_accumulator(params) -> dict:
+    """A gradient accumulator of zeros shaped (and sharded) like `params`."""
+    out = {"grads": jax.tree.map(jnp.zeros_like, params)}
+    out.update({name: jnp.zeros((), jnp.float32) for name in ACCUMULATED_METRICS})
+    return out
+
+
+def apply_program(state: TrainState, accum: dict, *, optimizer: optax.GradientTransformation,
+                  schedule: optax.Schedule):  # fmt: skip
+    """One optimizer update from the accumulated gradient; a non-finite loss skips it.
+
+    Returns:
+      (state, metrics) with `grad_norm`, `learning_rate` and `skipped` (1.0 when the loss, the
+      gradient norm or the updated parameters were not finite, and the parameters and optimizer
+      state were kept).
+    """
+    grads = accum["grads"]
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # Also checks the result: an overflowing update (or weights that are already broken while
+    # every micro-batch was skipped) must not reach the parameters or a checkpoint.
+    finite = (jnp.isfinite(grad_norm) & jnp.isfinite(accum["loss"])
+              & jnp.isfinite(optax.global_norm(params)))  # fmt: skip
+
+    def keep_if_finite(new, old):
+        return jnp.where(finite, new, old)
+
+    params = jax.tree.map(keep_if_finite, params, state.params)
+    opt_state = jax.tree.map(keep_if_finite, opt_state, state.opt_state)
+    count = _update_count(state.opt_state)
+    metrics = {
+        "grad_norm": grad_norm,
+        "learning_rate": jnp.asarray(schedule(count), jnp.float32),
+        "skipped": 1.0 - finite.astype(jnp.float32),
+    }
+    return state.replace(params=params, opt_state=opt_state), metrics
+
+
+def _update_count(opt_state) -> jax.Array:
+    """The optimizer's update count (the schedule's input) from its state."""
+    counts = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+              if "count" in jax.tree_util.keystr(path)]  # fmt: skip
+    return counts[0] if counts else jnp.zeros((), jnp.int32)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def power_of_two_bucket(length: int, minimum: int, maximum: int) -> int:
+    """The smallest `minimum * 2**k` >= length, capped at `maximum` (itself a bucket)."""
+    bucket = minimum
+    while bucket < length:
+        bucket *= 2
+    return min(bucket, max(maximum, length))
+
+
+def build_sequence_batch(prompts: list[tuple[int, ...]], responses: list[list[int]],
+                         group_size: int, *, min_bucket: int, max_prompt: int,
+                         max_response: int) -> SequenceBatch:  # fmt: skip
+    """Pads one micro-batch (P prompts, P * G responses) to power-of-two length buckets."""
+    s = power_of_two_bucket(max(len(x) for x in prompts), min_bucket, max_prompt)
+    t = power_of_two_bucket(max(max(len(r) for r in responses), 1), min_bucket, max_response)
+    prompt_tokens = np.zeros((len(prompts), s), np.int32)
+    for i, prompt in enumerate(prompts):
+        prompt_tokens[i, : len(prompt)] = prompt
+    response_tokens = np.zeros((len(responses), t), np.int32)
+    response_mask = np.zeros((len(responses), t), bool)
+    for i, response in enumerate(responses):
+        response_tokens[i, : len(response)] = response
+        response_mask[i, : len(response)] = True
+    if len(responses) != len(prompts) * group_size:
+        raise ValueError(f"{len(responses)=} != {len(prompts)=} * {group_size=}")
+    lens = np.asarray([len(x) for x in prompts], np.int32)
+    return SequenceBatch(prompt_tokens, lens, response_tokens, response_mask)
+
+
+def aggregation_weights(aggregation: str, masks: list[np.ndarray]) -> list[float]:
+    """Each micro-batch's share of a mini-batch's loss aggregation, so weighted micro-batch
+    losses sum to the mini-batch loss exactly.
+
+    `token_mean` divides by real tokens, the `seq_mean_*` aggregations by sequences that have
+    a token; a micro-batch's weight is its count over the mini-batch's count.
+    """
+    if aggregation == "token_mean":
+        counts = [float(np.sum(m)) for m in masks]
+    else:
+        counts = [float(np.sum(np.any(m, axis=-1))) for m in masks]
+    total = max(sum(counts), 1.0)
+    return [c / total for c in counts]
+
+
+def add_minibatch_metrics(totals: dict, sums: dict, applied: dict, minibatches: int) -> None:
+    """Averages one mini-batch's metrics into `totals`: `loss` is the mini-batch loss (zero-
+    advantage micro-batches contribute exactly 0); the other loss metrics are means over the
+    trained micro-batches; `skipped` is 1 if any update was skipped."""
+    sums = {k: float(v) for k, v in sums.items()}
+    weight = sums.pop("weight")
+    for k, v in sums.items():
+        value = v if k == "loss" else (v / weight if weight > 0 else 0.0)
+        totals[k] = totals.get(k, 0.0) + value / minibatches
+    for k, v in applied.items():
+        if k == "skipped":
+            totals[k] = max(totals.get(k, 0.0), float(v))
+        else:
+            totals[k] = totals.get(k, 0.0) + float(v) / minibatches
+
+
+def logprob_gap(recomputed_BxT: np.ndarray, engine: list[list[float]]) -> float:
+    """Mean |engine log-prob - recomputed log-prob| over response tokens."""
+    gaps = [abs(lp - recomputed_BxT[b, t]) for b, row in enumerate(engine)
+            for t, lp in enumerate(row)]  # fmt: skip
+    return float(np.mean(gaps)) if gaps else 0.0
+
+
+def plan_micro_batches(has_signal: np.ndarray, group_size: int, micro_batch_size: int,
+                       num_minibatches: int) -> list[list[list[int]]]:  # fmt: skip
+    """Group (prompt) indices per micro-batch per mini-batch.
+
+    Mini-batches take the groups in order; within one, groups with a non-zero advantage come
+    first, so the micro-batches whose groups all have zero advantage (exactly zero policy
+    gradient) are the last ones and can be skipped.
+    """
+    p = len(has_signal)
+    per_micro = micro_batch_size // group_size
+    per_mini = p // num_minibatches
+    out = []
+    for start in range(0, p, per_mini):
+        groups = sorted(range(start, start + per_mini), key=lambda g: not has_signal[g])
+        out.append([groups[i : i + per_micro] for i in range(0, per_mini, per_micro)])
+    return out
+
+
+@dataclasses.dataclass
+class CompiledInfo:
+    key: tuple
+    seconds: float
+    memory: dict[str, int]
+
+
+class ProgramPool:
+    """Programs compiled ahead of time, one per (name, static shape) key."""
+
+    def __init__(self, sharding_context: Callable[[], Any] | None = None):
+        self._programs: dict[tuple, Any] = {}
+        self.compiled: list[CompiledInfo] = []
+        self._context = sharding_context
+
+    @property
+    def compile_count(self) -> int:
+        return len(self.compiled)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(c.seconds for c in self.compiled)
+
+    def get(self, key: tuple, fn: Callable, example_args: Callable[[], tuple],
+            donate: tuple[int, ...] = ()):  # fmt: skip
+        """The compiled program for `key`; the first time, lowers `fn` on `example_args()`
+        (arrays or `ShapeDtypeStruct`s, built only then)."""
+        program = self._programs.get(key)
+        if program is None:
+            start = time.perf_counter()
+            jitted = jax.jit(fn, donate_argnums=donate)
+            if self._context is not None:
+                with self._context():
+                    program = jitted.lower(*example_args()).compile()
+            else:
+                program = jitted.lower(*example_args()).compile()
+            self.compiled.append(
+                CompiledInfo(key, time.perf_counter() - start, memory_report(program))
+            )
+            self._programs[key] = program
+        return program
+
+
+def abstract_like(tree):
+    """`ShapeDtypeStruct`s (shape, dtype, sharding) of a pytree of arrays."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        tree,
+    )
+
+
+def abstract_accumulator(params) -> dict:
+    """The accumulator's `ShapeDtypeStruct`s for `params` (for lowering, nothing allocated)."""
+    out = {"grads": abstract_like(params)}
+    out.update({name: jax.ShapeDtypeStruct((), jnp.float32) for name in ACCUMULATED_METRICS})
+    return out
+
+
+def memory_report(compiled) -> dict[str, int]:
+    """Bytes from `compiled.memory_analysis()` (empty where the backend reports nothing)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return {}
+    names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+             "temp_size_in_bytes", "generated_code_size_in_bytes")  # fmt: skip
+    return {n.removesuffix("_size_in_bytes"): int(getattr(analysis, n, 0) or 0) for n in names}
+
+
+def partial_program(fn: Callable, graphdef, **static) -> Callable:
+    """`fn` with the graphdef and static keyword arguments bound (what the pool jits)."""
+    return functools.partial(fn, graphdef, **static)

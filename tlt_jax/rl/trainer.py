@@ -1,0 +1,462 @@
+"""The RL loop: rollout -> reward -> advantages -> log-prob recompute -> update -> weight sync.
+
+`Trainer` owns one run: the prompt iterator, the policy's rollout engine, the train state and
+its compiled programs, checkpoints and metrics. Every phase of a step is timed on its own
+(`time_rollout`, `time_reward`, `time_logprob`, `time_update`, `time_sync`), blocking on device
+work at its end, so later work (speculative rollouts, drafter spot training) can be measured
+against each phase.
+
+The log-prob recompute is the trainer's own forward over every sequence; it also yields the
+policy's final-norm features, which go to an optional `FeatureSink` (the drafter buffer).
+
+Determinism: the request seeds of step k are a function of the run's RNG key (from `seed`,
+checkpointed) and k only, and the data iterator's position is checkpointed, so a run resumed
+from step k's checkpoint repeats the uninterrupted run's steps k + 1, ... exactly (CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tlt_jax.checkpointing.manager import RunCheckpointer
+from tlt_jax.data.pipeline import PromptIterator, load_data
+from tlt_jax.data.tokenizer import stop_token_ids
+from tlt_jax.metrics import timing
+from tlt_jax.metrics.plots import write_plots
+from tlt_jax.metrics.progress import progress_bar
+from tlt_jax.metrics.writer import MetricsWriter, read_metrics
+from tlt_jax.parallel import sharding as sharding_lib
+from tlt_jax.rl import evaluation, policy
+from tlt_jax.rl import step as step_lib
+from tlt_jax.rl.algorithms import compute_advantages
+from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
+from tlt_jax.rl.rewards import score_batch
+from tlt_jax.rollout.engine import Request
+from tlt_jax.rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class FeatureSink(Protocol):
+    """Receives what the log-prob recompute computed (e.g. `tlt_jax.drafter.data.DrafterBuffer`).
+
+    `tokens` [B, S + T] are prompt + response ids, `features` [B, S + T, D] the policy's
+    final-norm features at the same positions, `response_mask` marks response tokens and
+    `valid_mask` real ones (prompt and response are padded separately, so padding sits between
+    them as well as after).
+    """
+
+    def add(self, tokens, features, response_mask, step: int, valid_mask=None) -> int: ...
+
+
+class NonFiniteLossError(FloatingPointError):
+    """Raised after `rl.max_nonfinite_steps` consecutive steps with a non-finite loss."""
+
+
+def rollout_seeds(rng_words: np.ndarray, step: int, count: int) -> np.ndarray:
+    """Per-request uint32 seeds of step `step`: a function of (run key, step, request index)."""
+    entropy = [int(w) for w in np.asarray(rng_words).reshape(-1)] + [int(step)]
+    return np.random.SeedSequence(entropy).generate_state(count, dtype=np.uint32)
+
+
+class Trainer:
+    """One RL run in `workdir`; resumes from the latest checkpoint there automatically."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        workdir: str | Path,
+        *,
+        model=None,
+        tokenizer=None,
+        feature_sink: FeatureSink | None = None,
+        progress: bool | None = None,
+    ):
+        """Loads data, model and tokenizer, builds the engine and train state, restores.
+
+        Args:
+          config: the validated run config.
+          workdir: checkpoints, metrics and plots go here.
+          model: a `Transformer` to train instead of `config.model`'s (tests).
+          tokenizer: a tokenizer instead of `config.model`'s.
+          feature_sink: receives tokens, features and masks of every recomputed sequence.
+          progress: progress bars per phase (default: when stderr is a terminal).
+        """
+        self.config = cfg = config
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.feature_sink = feature_sink
+        self.progress = progress
+        # Data first: a missing data folder fails before any model is loaded or compiled.
+        self._train_examples = load_data(cfg.data, cfg.data.train_split)
+        self.iterator = PromptIterator(
+            self._train_examples, cfg.rl.prompts_per_step, seed=cfg.data.seed
+        )
+        self._eval_examples: list[dict] | None = None
+
+        self.mesh = policy.build_mesh(cfg.model)
+        model = model if model is not None else policy.build_policy(cfg.model, self.mesh)
+        self.tokenizer = tokenizer if tokenizer is not None else policy.build_tokenizer(cfg.model)
+        self.stop_ids = stop_token_ids(self.tokenizer)
+        self.encode = policy.build_encoder(cfg, self.tokenizer)
+        self.engine = policy.build_engine(cfg, model)
+        self.graphdef = self.engine.graphdef
+        self.reward_fn = resolve_reward_fn(cfg.rl.reward_fn)
+        self.sampling = SamplingParams(
+            cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k
+        )
+
+        total_updates = cfg.total_steps * cfg.rl.num_minibatches
+        self.optimizer = step_lib.make_optimizer(cfg.optim, total_updates)
+        self.schedule = step_lib.learning_rate_schedule(cfg.optim, total_updates)
+        self._to_train, self._to_rollout = policy.resharding_copies(self.engine.params, self.mesh)
+        params = self._to_train(self.engine.params)
+        # The frozen reference is the initial policy; kl_coef == 0 keeps none.
+        self.reference_params = params if cfg.rl.algorithm.kl_coef else None
+        if self.reference_params is not None:
+            params = self._to_train(self.engine.params)
+        init = jax.jit(lambda p: step_lib.init_train_state(p, self.optimizer, cfg.seed))
+        self.state: step_lib.TrainState = init(params)
+        context = None
+        if self.mesh is not None:
+            rules = sharding_lib.rules_for("train")
+            context = lambda: sharding_lib.use_sharding(self.mesh, rules)  # noqa: E731
+        self.pool = step_lib.ProgramPool(context)
+
+        self.checkpointer = RunCheckpointer(
+            self.workdir / "checkpoints", max_to_keep=cfg.checkpoint.max_to_keep,
+            async_save=cfg.checkpoint.async_save,
+        )  # fmt: skip
+        self.restored_from: int | None = None
+        restored = self.checkpointer.restore(self.state)
+        if restored is not None:
+            self.state = restored.state
+            self.iterator.restore(restored.data_position)
+            self.restored_from = restored.step
+            changed = {k for k, v in cfg.to_dict().items() if restored.config.get(k) != v}
+            if changed:
+                log.warning("resuming step %d with changed config groups %s", restored.step,
+                            sorted(changed))  # fmt: skip
+            self.engine.update_params(self._to_rollout(self.state.params))
+        self.step_count = int(jax.device_get(self.state.step))
+        self._rng_words = np.asarray(jax.device_get(self.state.rng))
+        self.writer = MetricsWriter(self.workdir)
+        self.writer.truncate_after(self.step_count)
+        self._nonfinite_streak = 0
+
+    # -- compilation ---------------------------------------------------------------------------
+
+    def _put(self, tree):
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+
+    def _programs(self, batch: step_lib.SequenceBatch):
+        """(logprob, grad) programs for this batch's padded shape, compiled on first use."""
+        cfg = self.config
+        s, t = batch.prompt_tokens_PxS.shape[1], batch.response_tokens_BxT.shape[1]
+        b = batch.response_tokens_BxT.shape[0]
+        temperature = float(cfg.rollout.temperature)
+        params = step_lib.abstract_like(self.state.params)
+        batch_spec = step_lib.abstract_like(batch)
+
+        def loss_inputs():
+            per_token = jax.ShapeDtypeStruct((b, t), jnp.float32)
+            return step_lib.LossInputs(per_token, per_token,
+                                       jax.ShapeDtypeStruct((b,), jnp.float32),
+                                       jax.ShapeDtypeStruct((), jnp.float32))  # fmt: skip
+
+        logprob = self.pool.get(
+            ("logprob", s, t),
+            step_lib.partial_program(step_lib.logprob_program, self.graphdef,
+                                     temperature=temperature),
+            lambda: (params, batch_spec),
+        )  # fmt: skip
+        grad = self.pool.get(
+            ("grad", s, t),
+            step_lib.partial_program(step_lib.grad_program, self.graphdef,
+                                     algorithm=cfg.rl.algorithm, temperature=temperature),
+            lambda: (params, step_lib.abstract_accumulator(self.state.params), batch_spec,
+                     loss_inputs()),
+            donate=(1,),
+        )  # fmt: skip
+        return logprob, grad
+
+    def _zero_accumulator(self) -> dict:
+        zeros = self.pool.get(("zeros",), step_lib.zero_accumulator,
+                              lambda: (step_lib.abstract_like(self.state.params),))  # fmt: skip
+        return zeros(self.state.params)
+
+    def _apply_program(self):
+        fn = lambda state, accum: step_lib.apply_program(  # noqa: E731
+            state, accum, optimizer=self.optimizer, schedule=self.schedule
+        )
+        # The accumulator is not donated: no output has its shape, so XLA could not reuse it.
+        return self.pool.get(
+            ("apply",), fn,
+            lambda: (step_lib.abstract_like(self.state),
+                     step_lib.abstract_accumulator(self.state.params)),
+            donate=(0,),
+        )  # fmt: skip
+
+    def precompile(self) -> list[dict[str, Any]]:
+        """Compiles the train programs for the next batch's prompts and the longest responses,
+        before the step runs; returns each program's compile seconds and memory analysis
+        (bytes of arguments, outputs, aliased and temporary buffers), also logged and written
+        to `workdir/compile_report.json`."""
+        cfg = self.config
+        probe = PromptIterator(self._train_examples, cfg.rl.prompts_per_step,
+                               seed=cfg.data.seed)  # fmt: skip
+        probe.restore(self.iterator.state())
+        examples = next(probe)
+        groups = cfg.rl.micro_batch_size // cfg.rl.group_size
+        prompts = [self.encode(ex["question"]) for ex in examples[:groups]]
+        responses = [[0] * cfg.rollout.max_new_tokens] * (groups * cfg.rl.group_size)
+        batch = self._sequence_batch(prompts, responses)
+        self._programs(self._put(batch))
+        self._apply_program()
+        report = [{"program": "/".join(map(str, c.key)), "compile_s": round(c.seconds, 2),
+                   **c.memory} for c in self.pool.compiled]  # fmt: skip
+        for row in report:
+            log.info("compiled %s", row)
+        (self.workdir / "compile_report.json").write_text(json.dumps(report, indent=1))
+        return report
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _sequence_batch(self, prompts, responses) -> step_lib.SequenceBatch:
+        cfg = self.config
+        return step_lib.build_sequence_batch(
+            prompts, responses, cfg.rl.group_size, min_bucket=cfg.rl.min_length_bucket,
+            max_prompt=cfg.rollout.max_prompt_len, max_response=cfg.rollout.max_new_tokens,
+        )  # fmt: skip
+
+    def run_step(self, examples: list[dict]) -> dict[str, Any]:
+        """One RL step on a batch of prompts; returns its metrics record."""
+        cfg, g = self.config, self.config.rl.group_size
+        timer = timing.PhaseTimer()
+        step = self.step_count + 1
+        compiles_before = self.pool.compile_count + self.engine.stats.compile_count
+        compile_s_before = self.pool.compile_seconds + self.engine.stats.compile_seconds
+        prompts = [self.encode(ex["question"]) for ex in examples]
+        seeds = rollout_seeds(self._rng_words, step, len(prompts) * g)
+        requests = [Request(prompt, cfg.rollout.max_new_tokens, self.sampling, self.stop_ids,
+                            seed=int(seeds[i * g + j]))
+                    for i, prompt in enumerate(prompts) for j in range(g)]  # fmt: skip
+
+        with timer.phase("rollout"):
+            completions = self.engine.generate(requests, progress=self.progress)
+        with timer.phase("reward"):
+            texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                     for c in completions]  # fmt: skip
+            answers = [str(ex["answer"]) for ex in examples for _ in range(g)]
+            scored = score_batch(self.reward_fn, texts, answers,
+                                 timeout_s=cfg.rl.reward_timeout_s,
+                                 format_weight=cfg.rl.format_weight)  # fmt: skip
+            rewards_PxG = scored.rewards.reshape(len(prompts), g)
+            advantages = np.asarray(compute_advantages(cfg.rl.algorithm, rewards_PxG), np.float32)
+            has_signal = np.any(advantages != 0, axis=1)
+        plan = step_lib.plan_micro_batches(has_signal, g, cfg.rl.micro_batch_size,
+                                           cfg.rl.num_minibatches)  # fmt: skip
+        needs_all = self.feature_sink is not None or cfg.rl.algorithm.kl_coef > 0
+        batches, old_logprobs, ref_logprobs = {}, {}, {}
+        logprob_diffs = []
+        with (
+            timer.phase("logprob"),
+            progress_bar(self.progress, "logprob", len(_flat(plan))) as bar,
+        ):
+            for groups in _flat(plan):
+                bar.update(1)
+                key = tuple(groups)
+                responses = [completions[q * g + j].token_ids for q in groups for j in range(g)]
+                batch = self._put(self._sequence_batch([prompts[q] for q in groups], responses))
+                batches[key] = batch
+                if not (needs_all or has_signal[groups].any()):
+                    continue
+                logprob, _ = self._programs(batch)
+                logprobs, prompt_features, features = logprob(self.state.params, batch)
+                old_logprobs[key] = logprobs
+                if self.reference_params is not None:
+                    ref_logprobs[key] = logprob(self.reference_params, batch)[0]
+                if self.feature_sink is not None:
+                    self._feed_sink(batch, prompt_features, features, step)
+            jax.block_until_ready(old_logprobs)
+        with timer.phase("update"):
+            update = self._update(plan, batches, old_logprobs, ref_logprobs, advantages,
+                                  has_signal)  # fmt: skip
+        with timer.phase("sync"):
+            self.sync_weights()
+        self.state = self.state.replace(step=self.state.step + 1)
+        self.step_count = step
+        for key, logprobs in old_logprobs.items():
+            engine_lp = [completions[q * g + j].logprobs for q in key for j in range(g)]
+            logprob_diffs.append(step_lib.logprob_gap(np.asarray(logprobs), engine_lp))
+
+        lengths = [len(c.token_ids) for c in completions]
+        generated = int(sum(lengths))
+        rollout_s = timer.seconds["rollout"]
+        record = {
+            "step": step,
+            "epoch": self.iterator.epoch,
+            "reward_mean": float(scored.rewards.mean()),
+            "reward_std": float(scored.rewards.std()),
+            "accuracy": float(scored.correct.mean()),
+            "groups_with_signal": float(has_signal.mean()),
+            "advantage_abs_mean": float(np.abs(advantages).mean()),
+            **update,
+            **timing.length_stats(lengths),
+            "truncated_share": float(np.mean([c.finish_reason == "length" for c in completions])),
+            "generated_tokens": generated,
+            "tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0,
+            "long_tail_share": timing.long_tail_share(
+                completions[0].submit_time, [c.finish_time for c in completions]),
+            "logprob_diff": float(np.mean(logprob_diffs)) if logprob_diffs else 0.0,
+            "reward_errors": scored.num_errors,
+            "reward_timeouts": scored.num_timeouts,
+            **timer.metrics(),
+            "compile_count": self.pool.compile_count + self.engine.stats.compile_count
+            - compiles_before,
+            "compile_s": self.pool.compile_seconds + self.engine.stats.compile_seconds
+            - compile_s_before,
+            "response_lengths": lengths,
+        }  # fmt: skip
+        return record
+
+    def _feed_sink(self, batch, prompt_features, features, step: int) -> None:
+        g = self.config.rl.group_size
+        prompt_tokens = np.repeat(np.asarray(batch.prompt_tokens_PxS), g, axis=0)
+        lens = np.repeat(np.asarray(batch.prompt_lens_P), g)
+        prompt_valid = np.arange(prompt_tokens.shape[1])[None, :] < lens[:, None]
+        response_mask = np.asarray(batch.response_mask_BxT)
+        tokens = np.concatenate([prompt_tokens, np.asarray(batch.response_tokens_BxT)], axis=1)
+        feats = jnp.concatenate([jnp.repeat(prompt_features, g, axis=0), features], axis=1)
+        self.feature_sink.add(
+            tokens, feats, np.concatenate([np.zeros_like(prompt_valid), response_mask], axis=1),
+            step, valid_mask=np.concatenate([prompt_valid, response_mask], axis=1),
+        )  # fmt: skip
+
+    def _update(self, plan, batches, old_logprobs, ref_logprobs, advantages, has_signal
+                ) -> dict[str, float]:  # fmt: skip
+        """Gradient accumulation over micro-batches and one optimizer step per mini-batch."""
+        cfg = self.config
+        apply = self._apply_program()
+        totals: dict[str, float] = {}
+        trained = 0
+        with progress_bar(self.progress, "update", len(_flat(plan))) as bar:
+            for mini in plan:
+                keys = [tuple(groups) for groups in mini]
+                weights = step_lib.aggregation_weights(
+                    cfg.rl.algorithm.loss_aggregation,
+                    [np.asarray(batches[k].response_mask_BxT) for k in keys],
+                )
+                accum = self._zero_accumulator()
+                for key, weight in zip(keys, weights, strict=True):
+                    bar.update(1)
+                    # An all-zero-advantage micro-batch has exactly zero policy gradient.
+                    if not (cfg.rl.algorithm.kl_coef > 0 or has_signal[list(key)].any()):
+                        continue
+                    batch = batches[key]
+                    ref = ref_logprobs.get(key)
+                    if ref is None:
+                        ref = np.zeros(batch.response_tokens_BxT.shape, np.float32)
+                    inputs = self._put(step_lib.LossInputs(
+                        old_logprobs[key], ref, advantages[list(key)].reshape(-1),
+                        np.float32(weight)))  # fmt: skip
+                    _, grad = self._programs(batch)
+                    accum = grad(self.state.params, accum, batch, inputs)
+                    trained += 1
+                sums = jax.device_get({k: accum[k] for k in step_lib.ACCUMULATED_METRICS})
+                self.state, applied = apply(self.state, accum)
+                step_lib.add_minibatch_metrics(totals, sums, jax.device_get(applied), len(plan))
+        totals["micro_batches_trained"] = trained
+        totals["micro_batches_total"] = len(_flat(plan))
+        return totals
+
+    def sync_weights(self) -> None:
+        """Pushes the train params into the engine (checked: structure, shape, dtype, sharding)."""
+        params = self._to_rollout(self.state.params)
+        jax.block_until_ready(params)
+        self.engine.update_params(params)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train(self) -> list[dict[str, Any]]:
+        """Runs steps until `total_steps`, checkpointing and plotting; returns the new records.
+
+        Raises:
+          NonFiniteLossError: after `rl.max_nonfinite_steps` consecutive non-finite losses; the
+            updates were skipped and no checkpoint was written since the last finite step.
+        """
+        cfg = self.config
+        records = []
+        if self.step_count < cfg.total_steps:
+            self.precompile()
+        while self.step_count < cfg.total_steps:
+            record = self.run_step(next(self.iterator))
+            self.writer.write(record)
+            records.append(record)
+            step = record["step"]
+            log.info("step %d: %s", step, _summary(record))
+            if record["skipped"]:
+                self._nonfinite_streak += 1
+                log.warning("step %d: non-finite update (loss %s, grad_norm %s); skipped (%d in a "
+                            "row)", step, record["loss"], record["grad_norm"],
+                            self._nonfinite_streak)  # fmt: skip
+                if self._nonfinite_streak >= cfg.rl.max_nonfinite_steps:
+                    self.checkpointer.wait()
+                    raise NonFiniteLossError(
+                        f"{self._nonfinite_streak} consecutive non-finite updates (step {step}); "
+                        f"stopping. Latest checkpoint: step {self.checkpointer.latest_step()} in "
+                        f"{self.checkpointer.directory}"
+                    )
+                continue
+            self._nonfinite_streak = 0
+            if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
+                self.save()
+            if step % cfg.plot_every == 0 or step == cfg.total_steps:
+                self.plot()
+        self.checkpointer.wait()
+        return records
+
+    def save(self) -> None:
+        self.checkpointer.save(self.step_count, self.state, self.iterator.state(),
+                               self.config.to_dict())  # fmt: skip
+
+    def plot(self) -> list[Path]:
+        return write_plots(read_metrics(self.workdir), self.workdir / "plots")
+
+    def evaluate(self, num_problems: int | None = None) -> evaluation.EvalResult:
+        """Greedy accuracy of the engine's current weights on the first problems of the
+        held-out split (`data.eval_split`)."""
+        cfg = self.config
+        if self._eval_examples is None:
+            self._eval_examples = load_data(cfg.data, cfg.data.eval_split)
+        n = cfg.eval.num_problems if num_problems is None else num_problems
+        return evaluation.evaluate(
+            self.engine, self.encode,
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            self._eval_examples[:n], max_new_tokens=cfg.eval.max_new_tokens,
+            stop_ids=self.stop_ids, reward_fn=self.reward_fn, progress=self.progress,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.checkpointer.close()
+        self.writer.close()
+
+
+def _flat(plan: list[list[list[int]]]) -> list[list[int]]:
+    """The micro-batches (group indices) of every mini-batch, in order."""
+    return [groups for mini in plan for groups in mini]
+
+
+def _summary(record: dict[str, Any]) -> str:
+    keys = ("reward_mean", "accuracy", "loss", "response_len_mean", "step_time")
+    return " ".join(f"{k}={record[k]:.3f}" for k in keys if k in record)
