@@ -27,6 +27,7 @@ flags.DEFINE_integer("max_seq_len", 2048, "Prompt + generated tokens per request
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
 flags.DEFINE_string("drafter", "", "Exported HF-EAGLE drafter dir: speculative decoding on.")
 flags.DEFINE_string("spec_strategy", "8,4,48", "SD strategy depth,topk,verify_tokens.")
+flags.DEFINE_integer("hot_vocab", 2048, "Draft over this many hot tokens (0: full vocabulary).")
 flags.DEFINE_integer("spec_max_batch", 0, "SD only at <= this many running requests (0: always).")
 
 
@@ -38,6 +39,7 @@ def main(argv):
         temperature=f.temperature, top_p=f.top_p, top_k=f.top_k, seed=f.seed,
         max_batch_size=f.max_batch_size, max_seq_len=f.max_seq_len, dtype=f.dtype,
         drafter=f.drafter, spec_strategy=f.spec_strategy, spec_max_batch=f.spec_max_batch,
+        hot_vocab=f.hot_vocab,
     )  # fmt: skip
     summary = generate.run(config)
     print(

@@ -30,6 +30,7 @@ class GenerateConfig:
     dtype: str = "float32"
     drafter: str = ""  # an exported HF-EAGLE drafter directory: speculative decoding on
     spec_strategy: str = "8,4,48"  # depth,topk,verify_tokens (used with a drafter)
+    hot_vocab: int = 2048  # draft over the drafter dir's hot_vocab.json top ids (0: full head)
     spec_max_batch: int = 0  # SD only at or under this many running requests (0: always)
 
     def __post_init__(self):
@@ -121,11 +122,15 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     tokenizer = checkpoints.load_tokenizer(config.model)
     requests = build_requests(tokenizer, rows, config)
     model = checkpoints.load_model(config.model, param_dtype=config.dtype, dtype=config.dtype)
-    drafter = None
+    drafter, hot_ids = None, None
     if config.drafter:
         from tlt_jax.drafter.export import load_eagle
+        from tlt_jax.drafter.hot_vocab import load_hot_vocab
 
         drafter = load_eagle(config.drafter, param_dtype=config.dtype, dtype=config.dtype)
+        hot_file = Path(config.drafter) / "hot_vocab.json"
+        if config.hot_vocab and hot_file.is_file():
+            hot_ids = load_hot_vocab(hot_file, config.hot_vocab, model.config.vocab_size)
     engine = RolloutEngine(
         model,
         EngineConfig(
@@ -136,6 +141,7 @@ def run(config: GenerateConfig) -> dict[str, Any]:
             spec_max_batch=config.spec_max_batch or None,
         ),  # fmt: skip
         drafter=drafter,
+        hot_token_ids=hot_ids,
     )
     engine.validate(requests)
     start = time.perf_counter()
