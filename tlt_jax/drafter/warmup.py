@@ -233,10 +233,14 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
         ))  # fmt: skip
     train = config.train
     buffer = make_buffer(train, max_samples=len(prompt_ids))  # every sample is from step 0
-    stored = harvest_features(model, buffer, prompt_ids, responses,
-                              batch_size=config.harvest_batch)  # fmt: skip
-    logging.info("harvested %d samples (%d response tokens)", stored,
-                 sum(len(r) for r in responses))  # fmt: skip
+    checkpointer = DrafterCheckpointer(workdir / "checkpoints", model.config)
+    trained_steps = checkpointer.latest_step() or 0
+    checkpointer.close()
+    if trained_steps < max_steps:  # a finished run only exports: no policy forward needed
+        stored = harvest_features(model, buffer, prompt_ids, responses,
+                                  batch_size=config.harvest_batch)  # fmt: skip
+        logging.info("harvested %d samples (%d response tokens)", stored,
+                     sum(len(r) for r in responses))  # fmt: skip
     state = train_drafter(model, buffer, train, workdir / "checkpoints", max_steps=max_steps,
                           seed=config.seed, log_every=config.log_every)  # fmt: skip
     export_dir = Path(config.export_dir) if config.export_dir else workdir / "eagle"
