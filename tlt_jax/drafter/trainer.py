@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from flax import nnx, struct
 from jax.sharding import Mesh
 
+from tlt_jax import optim
 from tlt_jax.drafter.data import DrafterBatch, DrafterBuffer
 from tlt_jax.drafter.loss import eagle_inputs, eagle_loss
 from tlt_jax.models.config import ModelConfig
@@ -96,37 +97,19 @@ class DrafterTrainState:
 
 
 def learning_rate_schedule(config: DrafterTrainConfig) -> optax.Schedule:
-    if config.schedule == "constant":
-        if config.warmup_steps == 0:
-            return optax.constant_schedule(config.learning_rate)
-        return optax.join_schedules(
-            [optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps),
-             optax.constant_schedule(config.learning_rate)],
-            [config.warmup_steps],
-        )  # fmt: skip
-    return optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, config.warmup_steps, config.total_steps,
-        end_value=config.learning_rate * config.end_lr_ratio,
+    """Linear warm-up, then constant or cosine decay to `end_lr_ratio` at `total_steps`."""
+    return optim.learning_rate_schedule(
+        config.learning_rate, schedule=config.schedule, warmup_steps=config.warmup_steps,
+        total_steps=config.total_steps, end_lr_ratio=config.end_lr_ratio,
     )  # fmt: skip
-
-
-def _decay_mask(params: DrafterParams) -> DrafterParams:
-    def decays(path, _):
-        name = jax.tree_util.keystr(path)
-        return "norm" not in name and "bias" not in name
-
-    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(config: DrafterTrainConfig) -> optax.GradientTransformation:
     """AdamW(b1, b2, weight decay on matrices) after global-norm clipping."""
-    adamw = optax.adamw(
+    return optim.adamw(
         learning_rate_schedule(config), b1=config.b1, b2=config.b2,
-        weight_decay=config.weight_decay, mask=_decay_mask,
+        weight_decay=config.weight_decay, grad_clip=config.grad_clip,
     )  # fmt: skip
-    if config.grad_clip == 0:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
 
 
 def init_train_state(params: DrafterParams, config: DrafterTrainConfig) -> DrafterTrainState:

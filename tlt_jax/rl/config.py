@@ -26,11 +26,11 @@ from typing import Any
 from tlt_jax.data.pipeline import DataConfig
 from tlt_jax.models.config import DTYPES
 from tlt_jax.models.presets import PRESETS
+from tlt_jax.optim import SCHEDULES
 from tlt_jax.rl.algorithms import AlgorithmConfig
 from tlt_jax.rl.rewards import REWARD_FUNCTIONS, RewardFunction
 
 TOKENIZERS = ("checkpoint", "byte")
-SCHEDULES = ("constant", "cosine", "linear")
 
 
 def resolve_reward_fn(name: str) -> RewardFunction:

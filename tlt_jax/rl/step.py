@@ -33,6 +33,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
+from tlt_jax import optim
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.rl import algorithms
 from tlt_jax.rl.config import OptimConfig
@@ -78,38 +79,18 @@ class LossInputs:
 
 def learning_rate_schedule(config: OptimConfig, total_updates: int) -> optax.Schedule:
     """Linear warm-up, then constant, cosine or linear decay over `total_updates`."""
-    peak, warmup = config.learning_rate, config.warmup_steps
-    end = peak * config.end_lr_ratio
-    decay_steps = max(total_updates - warmup, 1)
-    if config.schedule == "constant":
-        main = optax.constant_schedule(peak)
-    elif config.schedule == "cosine":
-        main = optax.cosine_decay_schedule(peak, decay_steps, alpha=config.end_lr_ratio)
-    else:
-        main = optax.linear_schedule(peak, end, decay_steps)
-    if warmup == 0:
-        return main
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), main], [warmup])
-
-
-def _decay_mask(params):
-    # Weight decay on matrices only: not on norms or biases.
-    def decays(path, _):
-        name = jax.tree_util.keystr(path)
-        return "norm" not in name and "bias" not in name
-
-    return jax.tree_util.tree_map_with_path(decays, params)
+    return optim.learning_rate_schedule(
+        config.learning_rate, schedule=config.schedule, warmup_steps=config.warmup_steps,
+        total_steps=total_updates, end_lr_ratio=config.end_lr_ratio,
+    )  # fmt: skip
 
 
 def make_optimizer(config: OptimConfig, total_updates: int) -> optax.GradientTransformation:
     """AdamW (decay on matrices only) after global-norm clipping (`grad_clip` 0 disables it)."""
-    adamw = optax.adamw(
+    return optim.adamw(
         learning_rate_schedule(config, total_updates), b1=config.b1, b2=config.b2,
-        eps=config.eps, weight_decay=config.weight_decay, mask=_decay_mask,
+        eps=config.eps, weight_decay=config.weight_decay, grad_clip=config.grad_clip,
     )  # fmt: skip
-    if config.grad_clip == 0:
-        return adamw
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
 
 
 def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int
