@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from tlt_jax.models import transformer as transformer_lib
 from tlt_jax.models.config import ModelConfig, RopeScaling, config_from_hf_dict
@@ -448,7 +448,3 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     if path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return AutoTokenizer.from_pretrained(str(path))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
