@@ -1,5 +1,6 @@
 """EAGLE drafter: model, alignment, loss, packing, training, checkpoints and export."""
 
+import dataclasses
 import json
 import math
 
@@ -167,6 +168,27 @@ def test_loss_hand_computed():
     chunked = jax.grad(lambda x: eagle_loss(x, target, mask, head, token_chunk=1)[0])
     grad_chunked = jax.jit(chunked)(g)
     np.testing.assert_allclose(grad_chunked, grad, rtol=1e-6)
+
+
+def test_hot_vocabulary_loss_is_the_renormalised_target():
+    # With the head's columns of a hot vocabulary, both distributions are the full softmaxes
+    # renormalised on those ids (by hand, in numpy).
+    rng = np.random.default_rng(0)
+    g, target = rng.standard_normal((2, 1, 3, 4)).astype(np.float32)
+    head = rng.standard_normal((4, 7)).astype(np.float32)
+    hot = np.array([5, 0, 3])
+    mask = np.ones((1, 3), bool)
+    _, metrics = jax.jit(eagle_loss)(g, target, mask, head[:, hot])
+
+    def renormalised(logits):
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p = (p / p.sum(-1, keepdims=True))[..., hot]
+        return p / p.sum(-1, keepdims=True)
+
+    p, q = renormalised(target[0] @ head), renormalised(g[0] @ head)
+    np.testing.assert_allclose(metrics["ploss"], -np.mean(np.sum(p * np.log(q), -1)), rtol=1e-5)
+    accuracy = np.mean(p.argmax(-1) == q.argmax(-1))
+    np.testing.assert_allclose(metrics["accuracy"], accuracy)
 
 
 def _samples(rng, lengths):
@@ -391,8 +413,21 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
     counts = load_token_counts(out, V)
     assert counts.sum() == 5 * 20 and counts[13] == 5 and counts[0] == 0
     assert load_hot_vocab(out, 3, V).tolist() == [13, 14, 15]
+    seen_hot = []
+    train_drafter = warmup.train_drafter
+
+    def spy_train(*args, hot_token_ids=None, **kwargs):
+        seen_hot.append(hot_token_ids)
+        return train_drafter(*args, hot_token_ids=hot_token_ids, **kwargs)
+
+    monkeypatch.setattr(warmup, "train_drafter", spy_train)
+    config = dataclasses.replace(config, hot_vocab_size=3)
     out = warmup.run_warmup(config, policy, _ByteTokenizer(), max_steps=5)
     assert calls == [5]  # the second run reused the cached responses
+    assert seen_hot[0].tolist() == [13, 14, 15]  # the loss ran over the hot ids
+    with pytest.raises(ValueError, match="hot_vocab_size=999"):
+        warmup.run_warmup(dataclasses.replace(config, hot_vocab_size=999), policy,
+                          _ByteTokenizer(), max_steps=5)  # fmt: skip
     steps = sorted(int(p.name) for p in (tmp_path / "work" / "checkpoints").iterdir())
     assert steps[-1] == 5 and 3 in steps
 

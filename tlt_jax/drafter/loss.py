@@ -13,6 +13,14 @@ weighs every token equally, like the separate samples concatenated):
     vloss = mean_D SmoothL1_beta=1(g_t - f[t+1])
     ploss = -sum_v softmax(head(f[t+1]))_v * log_softmax(head(g_t))_v   (target: no gradient)
     loss  = vloss_weight * vloss + ploss_weight * ploss
+
+Hot vocabulary. `head` may be the policy head's columns of a hot vocabulary (`[D, U]`, the
+ids the engine drafts over, `tlt_jax.drafter.hot_vocab`). Both softmaxes then run over those U
+columns, so the drafter matches the target distribution *conditioned on the hot vocabulary*
+(a softmax over a subset of logits is the full softmax renormalised on it): exactly what a
+hot-vocabulary draft head proposes from. It cuts the two [tokens, V] head products of a step
+by V / U (24x for SmolLM2 at U = 2,048), which dominate a drafter step; verification keeps the
+full vocabulary, so decoding stays lossless whatever the drafter learned.
 """
 
 from __future__ import annotations
@@ -102,7 +110,7 @@ def eagle_loss(
       g_BxTxD: drafter outputs (predicted f[t+1]).
       targets_BxTxD: the policy's features f[t+1] (no gradient).
       loss_mask_BxT: which pairs count (`eagle_inputs(...).loss_mask_BxT`).
-      head_DxV: the policy's LM head (frozen).
+      head_DxV: the policy's LM head (frozen), or its hot-vocabulary columns `[D, U]`.
       vloss_weight: weight of the SmoothL1 feature loss.
       ploss_weight: weight of the soft cross-entropy.
       token_chunk: if set, the [positions, V] logits are computed `token_chunk` positions at

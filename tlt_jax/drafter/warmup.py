@@ -31,7 +31,7 @@ from flax import nnx
 
 from tlt_jax.drafter.data import DrafterBuffer
 from tlt_jax.drafter.export import export_eagle
-from tlt_jax.drafter.hot_vocab import count_tokens, save_hot_vocab
+from tlt_jax.drafter.hot_vocab import count_tokens, hot_token_ids, save_hot_vocab
 from tlt_jax.drafter.trainer import (
     DrafterCheckpointer,
     DrafterTrainConfig,
@@ -58,6 +58,9 @@ class WarmupConfig:
     generate_batch: int = 32
     harvest_batch: int = 8
     seed: int = 0
+    # Train the soft cross-entropy over the responses' most frequent tokens only (the draft
+    # head the engine uses with the same hot-vocabulary size); None: the full vocabulary.
+    hot_vocab_size: int | None = None
     train: DrafterTrainConfig = DrafterTrainConfig()
     log_every: int = 10
 
@@ -69,6 +72,11 @@ class WarmupConfig:
             raise ValueError(f"max_prompts={self.max_prompts!r} must be >= 1 or None")
         if not self.temperature >= 0:
             raise ValueError(f"temperature={self.temperature!r} must be >= 0")
+        if self.hot_vocab_size is not None and (
+            not isinstance(self.hot_vocab_size, int) or self.hot_vocab_size < 1
+        ):
+            raise ValueError(f"hot_vocab_size={self.hot_vocab_size!r} must be an integer >= 1 "
+                             "or None (full vocabulary)")  # fmt: skip
 
 
 def read_prompt_records(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
@@ -213,6 +221,10 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
     Returns:
       The exported EAGLE directory.
     """
+    vocab_size = model.config.vocab_size
+    if config.hot_vocab_size is not None and config.hot_vocab_size > vocab_size:
+        raise ValueError(f"hot_vocab_size={config.hot_vocab_size} exceeds the policy's "
+                         f"vocab_size={vocab_size}")  # fmt: skip
     workdir = Path(config.workdir).expanduser()
     workdir.mkdir(parents=True, exist_ok=True)
     records = read_prompt_records(config.prompts, config.max_prompts)
@@ -231,6 +243,10 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
                         "max_new_tokens": config.max_new_tokens}) + "\n"
             for p, r in zip(prompt_ids, responses, strict=True)
         ))  # fmt: skip
+    counts_V = count_tokens(responses, vocab_size)
+    hot_ids = None
+    if config.hot_vocab_size is not None:
+        hot_ids = hot_token_ids(counts_V, config.hot_vocab_size)
     train = config.train
     buffer = make_buffer(train, max_samples=len(prompt_ids))  # every sample is from step 0
     checkpointer = DrafterCheckpointer(workdir / "checkpoints", model.config)
@@ -242,11 +258,12 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
         logging.info("harvested %d samples (%d response tokens)", stored,
                      sum(len(r) for r in responses))  # fmt: skip
     state = train_drafter(model, buffer, train, workdir / "checkpoints", max_steps=max_steps,
-                          seed=config.seed, log_every=config.log_every)  # fmt: skip
+                          seed=config.seed, log_every=config.log_every,
+                          hot_token_ids=hot_ids)  # fmt: skip
     export_dir = Path(config.export_dir) if config.export_dir else workdir / "eagle"
     out = export_eagle(state.params, model.config, export_dir)
     # The responses' token counts: the engine's hot vocabulary for drafting.
-    save_hot_vocab(out, count_tokens(responses, model.config.vocab_size))
+    save_hot_vocab(out, counts_V)
     return out
 
 
@@ -259,11 +276,14 @@ def train_drafter(
     max_steps: int,
     seed: int = 0,
     log_every: int = 10,
+    hot_token_ids: np.ndarray | None = None,
 ) -> DrafterTrainState:
     """Trains a drafter on `buffer` to `max_steps`, resuming from `checkpoint_dir`.
 
     Batches are drawn with `default_rng([seed, step])`, so a resumed run sees the batches the
     uninterrupted run would have. Metrics of step t are read after step t+1 is dispatched.
+    With `hot_token_ids` ([U] ids) the loss runs over those columns of the policy head only
+    (see `tlt_jax.drafter.loss`); accuracy is then the argmax agreement within them.
 
     Returns:
       The final `DrafterTrainState` (also checkpointed).
@@ -279,6 +299,8 @@ def train_drafter(
         logging.info("resumed drafter training at step %d", int(state.step))
     train_step = make_train_step(model.config, config)
     embed_VxD, head_DxV = model.embed.get_value(), model.head_weight_DxV()
+    if hot_token_ids is not None:  # sliced once: every step reads a [D, U] head
+        head_DxV = jnp.take(head_DxV, jnp.asarray(hot_token_ids, jnp.int32), axis=1)
     first = int(state.step)
     pending = None
     bar = tqdm.tqdm(total=max_steps, initial=first, desc="drafter", unit="step")
