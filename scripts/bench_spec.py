@@ -17,7 +17,11 @@ Measured in one run:
   (b) batch sweep (--batch_sizes, --sweep_new_tokens each) at the fastest strategy of (a):
       speedup and acceptance per batch size, and `crossover_batch`, the smallest batch at
       which SD no longer beats plain decoding;
-  (c) `step_breakdown_bs1`: each compiled program of a batch-1 SD step (draft full and hot,
+  (c) `switch_cost`: switching a running batch from plain decoding into SD after --switch_lags
+      plain steps, at --switch_batches: the engine's drafter catch-up (one target forward over
+      every row's missed positions plus the drafter over them, `speculative.catchup_program`),
+      in ms and in plain steps of that batch;
+  (d) `step_breakdown_bs1`: each compiled program of a batch-1 SD step (draft full and hot,
       tree, verify) and their parts (one draft level's LM head, full vs hot; the drafter layer;
       the target forward over the tree; acceptance) timed alone on a real state, vs a plain
       step, and the host overhead of the engine's steps.
@@ -60,6 +64,8 @@ flags.DEFINE_enum("full_vocab", "per_depth", ["per_depth", "all", "none"],
                   "Where the grid also runs the full draft vocabulary: at each depth's fastest "
                   "hot-vocabulary point, at every point, or nowhere.")  # fmt: skip
 flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "Batch sweep sizes.")
+flags.DEFINE_list("switch_batches", ["1", "4", "16"], "Batch sizes of the SD switch-cost runs.")
+flags.DEFINE_list("switch_lags", ["32", "128"], "Plain steps before the switch into SD.")
 flags.DEFINE_integer("repeats", 2, "Timed runs per configuration (the best is kept).")
 flags.DEFINE_bool("breakdown", True, "Time the programs of a batch-1 SD step separately.")
 FLAGS = flags.FLAGS
@@ -410,6 +416,74 @@ def measure_sweep(model, drafter, requests, batches, strategy, hot_ids, kv_len: 
     return sweep, compile_s
 
 
+def measure_switch(model, drafter, requests, batches, lags, strategy, hot_ids, kv_len: int,
+                   repeats: int) -> dict:  # fmt: skip
+    """(c): the cost of switching a running batch into SD after `lag` plain steps.
+
+    Prefill leaves every drafter in sync; `lag` plain steps leave it `lag` positions behind;
+    the first SD step then runs the engine's catch-up, timed by the engine itself
+    (`EngineStats.spec_switch_seconds`, compilation excluded). The plain step time of the
+    batch is the difference between two lags' prefill-plus-plain phases over the difference
+    in steps (the prefill cancels). Returns {batch: {lag: row}}.
+    """
+    import itertools
+
+    from tlt_jax.rollout.engine import RolloutEngine
+
+    out = {}
+    for batch in batches:
+        engine = RolloutEngine(model, engine_config(batch, kv_len), drafter=drafter)
+        engine.set_hot_token_ids(hot_ids)
+        out[str(batch)] = rows = {}
+        for lag in lags:
+            best = None
+            for _ in range(repeats + 1):  # the first run compiles this lag's catch-up
+                steps = itertools.count()
+                stats = engine.stats
+                before = (stats.spec_switch_seconds, stats.spec_switch_tokens,
+                          stats.spec_switch_count, stats.compile_count)  # fmt: skip
+                start = time.perf_counter()
+                group = requests(batch, lag + 1 + WARM_TOKENS)
+                first_sd = {}
+
+                def mode(n, steps=steps, lag=lag, first_sd=first_sd):
+                    step = next(steps)
+                    if step == lag:
+                        first_sd["t"] = time.perf_counter()
+                    return None if step < lag else strategy
+
+                engine.step_mode = mode
+                engine.generate(group)
+                seconds = stats.spec_switch_seconds - before[0]
+                if stats.spec_switch_count - before[2] != 1 or stats.compile_count != before[3]:
+                    continue  # compiled (or did not switch exactly once): not timed
+                # Prefill then `lag` plain steps ran between `start` and the first SD step.
+                row = {
+                    "catchup_ms": 1e3 * seconds,
+                    "catchup_tokens": stats.spec_switch_tokens - before[1],
+                    "prefill_and_plain_ms": 1e3 * (first_sd["t"] - start),
+                }
+                if best is None or row["catchup_ms"] < best["catchup_ms"]:
+                    best = row
+            if best is None:
+                raise RuntimeError(f"switch at batch {batch}, lag {lag}: every run compiled")
+            rows[str(lag)] = best
+        # The plain step of this batch: the difference of the two lags' plain phases.
+        if len(lags) > 1:
+            lo, hi = min(lags), max(lags)
+            plain_ms = (rows[str(hi)]["prefill_and_plain_ms"]
+                        - rows[str(lo)]["prefill_and_plain_ms"]) / (hi - lo)  # fmt: skip
+            for lag in lags:
+                rows[str(lag)]["plain_step_ms"] = plain_ms
+                rows[str(lag)]["catchup_in_plain_steps"] = rows[str(lag)]["catchup_ms"] / plain_ms
+        print(f"switch batch {batch:3d}: " + ", ".join(
+            f"lag {lag}: catch-up {rows[str(lag)]['catchup_ms']:.0f} ms"
+            + (f" = {rows[str(lag)]['catchup_in_plain_steps']:.1f} plain steps"
+               if "catchup_in_plain_steps" in rows[str(lag)] else "")
+            for lag in lags), flush=True)  # fmt: skip
+    return out
+
+
 def main(argv):
     del argv
     if not FLAGS.drafter:
@@ -435,6 +509,14 @@ def main(argv):
         raise app.UsageError(f"--grid={FLAGS.grid!r} --topk={FLAGS.topk}: no valid strategy "
                              f"({invalid})")  # fmt: skip
     batches = sorted({int(b) for b in FLAGS.batch_sizes})
+    try:
+        switch_batches = sorted({int(b) for b in FLAGS.switch_batches})
+        switch_lags = sorted({int(x) for x in FLAGS.switch_lags})
+    except ValueError as e:
+        raise app.UsageError(f"--switch_batches={FLAGS.switch_batches} and --switch_lags="
+                             f"{FLAGS.switch_lags} must be integers") from e  # fmt: skip
+    if any(x < 1 for x in switch_batches + switch_lags):
+        raise app.UsageError("--switch_batches and --switch_lags must be >= 1")
     tokenizer = checkpoints.load_tokenizer(FLAGS.model)
     model = checkpoints.load_model(FLAGS.model)
     drafter = load_eagle(FLAGS.drafter)
@@ -449,9 +531,15 @@ def main(argv):
             )
         hot_ids = load_hot_vocab(hot_source, FLAGS.hot_vocab_size, vocab)
 
-    questions, data = load_questions(FLAGS.gsm8k_dir, max(FLAGS.num_prompts, *batches))
+    questions, data = load_questions(
+        FLAGS.gsm8k_dir, max(FLAGS.num_prompts, *batches, *switch_batches)
+    )
     prompts = encode_prompts(tokenizer, [{"prompt": q} for q in questions], None)
-    longest = max(FLAGS.max_new_tokens, FLAGS.sweep_new_tokens)
+    longest = max(
+        FLAGS.max_new_tokens,
+        FLAGS.sweep_new_tokens,
+        *(lag + 1 + WARM_TOKENS for lag in switch_lags),
+    )
     kv_len = -(-(max(len(p) for p in prompts) + longest + 1) // 64) * 64
     print(f"data: {data}; kv_len {kv_len}; grid {[str(x) for x in strategies]}", flush=True)
 
@@ -468,6 +556,8 @@ def main(argv):
     best_hot = hot_ids if best["hot_vocab"] else None
     sweep, sweep_compile_s = measure_sweep(model, drafter, requests, batches, strategy, best_hot,
                                            kv_len, FLAGS.repeats)  # fmt: skip
+    switch = measure_switch(model, drafter, requests, switch_batches, switch_lags, strategy,
+                            best_hot, kv_len, FLAGS.repeats) if switch_batches else {}  # fmt: skip
     hot_info = None
     if hot_ids is not None:
         plain_tokens = [t for group in plain["outputs"] for out in group for t in out]
@@ -506,6 +596,7 @@ def main(argv):
         "bs_sweep": sweep,
         # The smallest batch at which SD no longer beats plain decoding (None: it always does).
         "crossover_batch": next((b for b in batches if sweep[str(b)]["speedup"] < 1.0), None),
+        "switch_cost": switch,
         "all_match_plain": all(r["matches_plain"] for r in [*grid, *sweep.values()]),
     }  # fmt: skip
     if FLAGS.breakdown:
