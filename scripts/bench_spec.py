@@ -20,7 +20,8 @@ Measured in one run:
   (c) `switch_cost`: switching a running batch from plain decoding into SD after --switch_lags
       plain steps, at --switch_batches: the engine's drafter catch-up (one target forward over
       every row's missed positions plus the drafter over them, `speculative.catchup_program`),
-      in ms and in plain steps of that batch;
+      in ms and in plain steps of that batch; and the plain step with eager drafter sync
+      (`drafter_sync="eager"`: no catch-up, the drafter layer in every plain step) vs lazy;
   (d) `step_breakdown_bs1`: each compiled program of a batch-1 SD step (draft full and hot,
       tree, verify) and their parts (one draft level's LM head, full vs hot; the drafter layer;
       the target forward over the tree; acceptance) timed alone on a real state, vs a plain
@@ -418,13 +419,18 @@ def measure_sweep(model, drafter, requests, batches, strategy, hot_ids, kv_len: 
 
 def measure_switch(model, drafter, requests, batches, lags, strategy, hot_ids, kv_len: int,
                    repeats: int) -> dict:  # fmt: skip
-    """(c): the cost of switching a running batch into SD after `lag` plain steps.
+    """(c): the cost of switching a running batch into SD, lazy and eager drafter sync.
 
-    Prefill leaves every drafter in sync; `lag` plain steps leave it `lag` positions behind;
-    the first SD step then runs the engine's catch-up, timed by the engine itself
-    (`EngineStats.spec_switch_seconds`, compilation excluded). The plain step time of the
-    batch is the difference between two lags' prefill-plus-plain phases over the difference
-    in steps (the prefill cancels). Returns {batch: {lag: row}}.
+    Lazy (the default): prefill leaves every drafter in sync, `lag` plain steps leave it `lag`
+    positions behind, and the first SD step runs the engine's catch-up, timed by the engine
+    itself (`EngineStats.spec_switch_seconds`, compilation excluded). Eager
+    (`EngineConfig.drafter_sync="eager"`): every plain step also runs the drafter layer over its
+    new pair, so the switch costs nothing and each plain step a little more; both engines'
+    plain steps are timed on the same requests (--sweep_new_tokens each).
+
+    Returns:
+      {batch: {"catchup": {lag: row}, "plain_step_ms": .., "eager_plain_step_ms": ..,
+      "eager_overhead": ..}}; a catch-up row also gives `catchup_in_plain_steps`.
     """
     import itertools
 
@@ -434,7 +440,7 @@ def measure_switch(model, drafter, requests, batches, lags, strategy, hot_ids, k
     for batch in batches:
         engine = RolloutEngine(model, engine_config(batch, kv_len), drafter=drafter)
         engine.set_hot_token_ids(hot_ids)
-        out[str(batch)] = rows = {}
+        catchup = {}
         for lag in lags:
             best = None
             for _ in range(repeats + 1):  # the first run compiles this lag's catch-up
@@ -442,45 +448,37 @@ def measure_switch(model, drafter, requests, batches, lags, strategy, hot_ids, k
                 stats = engine.stats
                 before = (stats.spec_switch_seconds, stats.spec_switch_tokens,
                           stats.spec_switch_count, stats.compile_count)  # fmt: skip
-                start = time.perf_counter()
-                group = requests(batch, lag + 1 + WARM_TOKENS)
-                first_sd = {}
-
-                def mode(n, steps=steps, lag=lag, first_sd=first_sd):
-                    step = next(steps)
-                    if step == lag:
-                        first_sd["t"] = time.perf_counter()
-                    return None if step < lag else strategy
-
-                engine.step_mode = mode
-                engine.generate(group)
-                seconds = stats.spec_switch_seconds - before[0]
+                engine.step_mode = lambda n, steps=steps, lag=lag: (
+                    None if next(steps) < lag else strategy
+                )
+                engine.generate(requests(batch, lag + 1 + WARM_TOKENS))
                 if stats.spec_switch_count - before[2] != 1 or stats.compile_count != before[3]:
                     continue  # compiled (or did not switch exactly once): not timed
-                # Prefill then `lag` plain steps ran between `start` and the first SD step.
-                row = {
-                    "catchup_ms": 1e3 * seconds,
-                    "catchup_tokens": stats.spec_switch_tokens - before[1],
-                    "prefill_and_plain_ms": 1e3 * (first_sd["t"] - start),
-                }
+                row = {"catchup_ms": 1e3 * (stats.spec_switch_seconds - before[0]),
+                       "catchup_tokens": stats.spec_switch_tokens - before[1]}  # fmt: skip
                 if best is None or row["catchup_ms"] < best["catchup_ms"]:
                     best = row
             if best is None:
                 raise RuntimeError(f"switch at batch {batch}, lag {lag}: every run compiled")
-            rows[str(lag)] = best
-        # The plain step of this batch: the difference of the two lags' plain phases.
-        if len(lags) > 1:
-            lo, hi = min(lags), max(lags)
-            plain_ms = (rows[str(hi)]["prefill_and_plain_ms"]
-                        - rows[str(lo)]["prefill_and_plain_ms"]) / (hi - lo)  # fmt: skip
-            for lag in lags:
-                rows[str(lag)]["plain_step_ms"] = plain_ms
-                rows[str(lag)]["catchup_in_plain_steps"] = rows[str(lag)]["catchup_ms"] / plain_ms
-        print(f"switch batch {batch:3d}: " + ", ".join(
-            f"lag {lag}: catch-up {rows[str(lag)]['catchup_ms']:.0f} ms"
-            + (f" = {rows[str(lag)]['catchup_in_plain_steps']:.1f} plain steps"
-               if "catchup_in_plain_steps" in rows[str(lag)] else "")
-            for lag in lags), flush=True)  # fmt: skip
+            catchup[str(lag)] = best
+        group = [requests(batch, FLAGS.sweep_new_tokens)]
+        eager = RolloutEngine(model, dataclasses.replace(engine.config, drafter_sync="eager"),
+                              drafter=drafter)  # fmt: skip
+        warm_up(eager, group, strategy, hot_ids)
+        plain = run_point(engine, group, None, None, repeats)
+        eager_plain = run_point(eager, group, None, None, repeats)
+        plain_ms = 1e3 * plain["decode_s"] / plain["steps"]
+        eager_ms = 1e3 * eager_plain["decode_s"] / eager_plain["steps"]
+        for row in catchup.values():
+            row["catchup_in_plain_steps"] = row["catchup_ms"] / plain_ms
+        out[str(batch)] = {"catchup": catchup, "plain_step_ms": plain_ms,
+                           "eager_plain_step_ms": eager_ms,
+                           "eager_overhead": eager_ms / plain_ms - 1.0}  # fmt: skip
+        print(f"switch batch {batch:3d}: plain step {plain_ms:.0f} ms (eager sync "
+              f"{eager_ms:.0f} ms); lazy catch-up " + ", ".join(
+                  f"after {lag}: {row['catchup_ms']:.0f} ms = "
+                  f"{row['catchup_in_plain_steps']:.1f} plain steps"
+                  for lag, row in catchup.items()), flush=True)  # fmt: skip
     return out
 
 

@@ -29,6 +29,9 @@ flags.DEFINE_string("drafter", "", "Exported HF-EAGLE drafter dir: speculative d
 flags.DEFINE_string("spec_strategy", "8,4,48", "SD strategy depth,topk,verify_tokens.")
 flags.DEFINE_integer("hot_vocab", 2048, "Draft over this many hot tokens (0: full vocabulary).")
 flags.DEFINE_integer("spec_max_batch", 0, "SD only at <= this many running requests (0: always).")
+flags.DEFINE_enum("drafter_sync", "lazy", ["lazy", "eager"],
+                  "Plain steps leave the drafter behind (caught up at the switch into SD) or keep "
+                  "it in sync (drafter layer in every plain step).")  # fmt: skip
 
 
 def main(argv):
@@ -39,7 +42,7 @@ def main(argv):
         temperature=f.temperature, top_p=f.top_p, top_k=f.top_k, seed=f.seed,
         max_batch_size=f.max_batch_size, max_seq_len=f.max_seq_len, dtype=f.dtype,
         drafter=f.drafter, spec_strategy=f.spec_strategy, spec_max_batch=f.spec_max_batch,
-        hot_vocab=f.hot_vocab,
+        hot_vocab=f.hot_vocab, drafter_sync=f.drafter_sync,
     )  # fmt: skip
     summary = generate.run(config)
     print(

@@ -25,9 +25,13 @@ flags.DEFINE_integer("checkpoint_every", 100, "Steps between orbax checkpoints."
 flags.DEFINE_float("temperature", 0.0, "Generation temperature (0: greedy).")
 flags.DEFINE_integer("seed", 0, "Seed for init, generation and batches.")
 flags.DEFINE_string("instruction", None, "RL prompt instruction (default: the RL pipeline's).")
-flags.DEFINE_integer("hot_vocab", 2048, "Train the draft head's cross-entropy over the responses' "
-                     "this many most frequent tokens, as generate.py --hot_vocab drafts over them "
-                     "(0: the full vocabulary).")
+flags.DEFINE_integer(
+    "hot_vocab",
+    2048,
+    "Train the draft head's cross-entropy over the responses' "
+    "this many most frequent tokens, as generate.py --hot_vocab drafts over them "
+    "(0: the full vocabulary).",
+)
 flags.DEFINE_string("dtype", None, "Override the policy's param/compute dtype, e.g. bfloat16.")
 
 

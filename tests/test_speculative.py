@@ -10,6 +10,7 @@ really happen. The untrained drafter is a random init.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -367,6 +368,31 @@ def test_drafter_catchup_after_plain_steps(aligned):
         np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
 
 
+def test_eager_drafter_sync_in_plain_steps(aligned):
+    """Eager-sync plain steps keep the drafter exactly where the catch-up would put it."""
+    model, drafter = aligned
+    graphdef, params = nnx.split(model)
+    prompts = random_prompts(8, model.config.vocab_size, seed=5)
+    _, _, _, state = run_sd(model, drafter, prompts, SpecStrategy(3, 2, 5), 0)
+    start = np.asarray(state.lengths)
+    decode = jax.jit(functools.partial(engine_lib._decode, graphdef, batch=8, kv_len=KV_LEN,
+                                       greedy_only=True,
+                                       drafter_config=drafter.config))  # fmt: skip
+    tokens = [np.asarray(state.last_token)]
+    for _ in range(7):
+        state, tok, _ = decode(params, state, drafter.params_dict())
+        tokens.append(np.asarray(tok))
+    np.testing.assert_array_equal(np.asarray(state.draft.lengths), start + 7)  # in sync
+    sequences = [list(p) + np.stack(tokens, 1)[i].tolist() for i, p in enumerate(prompts)]
+    _, dnew, g = _reference_states(model, drafter, sequences)
+    for i, n in enumerate(start + 7):
+        np.testing.assert_allclose(state.draft.cache.k[:, i, :n], dnew.k[:, i, :n], atol=2e-5,
+                                   rtol=1e-4)  # fmt: skip
+        np.testing.assert_allclose(state.draft.cache.v[:, i, :n], dnew.v[:, i, :n], atol=2e-5,
+                                   rtol=1e-4)  # fmt: skip
+        np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
+
+
 def test_pallas_attention_matches_xla(aligned):
     """The SD programs with the Pallas tree-attention kernel (interpret mode on CPU)."""
     model, drafter = aligned
@@ -430,6 +456,22 @@ def test_engine_switches_to_sd_and_matches_plain(engines, aligned):
     assert sum(got[1].accepted_lengths) == 40 - 6 + _trimmed(got[1])
     assert np.mean(got[1].accepted_lengths) > 1.5
     assert plain.stats.spec_steps == 0 and sd.stats.spec_steps == len(got[1].accepted_lengths)
+
+
+def test_engine_eager_drafter_sync_switches_for_free(engines, aligned):
+    model, drafter = aligned
+    sd, _ = engines
+    prompts = random_prompts(2, model.config.vocab_size, seed=21)
+    lazy = sd.generate(_requests(prompts, {}))
+    eager = RolloutEngine(model, dataclasses.replace(sd.config, drafter_sync="eager"),
+                          drafter=drafter)  # fmt: skip
+    got = eager.generate(_requests(prompts, {}))
+    # Same tokens and the same drafts: the eagerly built drafter state is the caught-up one.
+    assert [g.token_ids for g in got] == [w.token_ids for w in lazy]
+    assert [g.accepted_lengths for g in got] == [w.accepted_lengths for w in lazy]
+    assert eager.stats.spec_switch_count == 0 and eager.stats.spec_steps > 0
+    with pytest.raises(ValueError, match="drafter_sync='soon'"):
+        EngineConfig(drafter_sync="soon")
 
 
 def test_engine_hot_vocab_matches_plain(engines, aligned):

@@ -41,6 +41,8 @@ from tlt_jax.rollout.sampling import SamplingParams, choose_tokens
 from tlt_jax.rollout.spec_engine import SpeculativeSteps, check_drafter_fits, check_spec_settings
 from tlt_jax.rollout.speculative import DraftState, SpecStrategy
 
+DRAFTER_SYNC = ("lazy", "eager")
+
 # Bumped inside traced functions, so it counts traces (tests prove no retracing).
 TRACE_COUNTS: dict[str, int] = {}
 
@@ -80,6 +82,10 @@ class EngineConfig:
     spec_strategy: SpecStrategy | None = None
     spec_max_batch: int | None = None
     spec_attention_impl: str = "xla"
+    # How plain steps treat the drafter (engines with one): "lazy" leaves it behind and the
+    # first SD step catches it up (a target forward over the missed positions); "eager" runs
+    # the drafter layer over every plain step's new pair, so switching into SD costs nothing.
+    drafter_sync: str = "lazy"
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "max_prefill_batch", "min_kv_bucket",
@@ -90,6 +96,9 @@ class EngineConfig:
         if isinstance(self.spec_strategy, str):
             object.__setattr__(self, "spec_strategy", SpecStrategy.parse(self.spec_strategy))
         check_spec_settings(self.spec_strategy, self.spec_max_batch, self.spec_attention_impl)
+        if self.drafter_sync not in DRAFTER_SYNC:
+            raise ValueError(f"engine.drafter_sync={self.drafter_sync!r} is not one of "
+                             f"{list(DRAFTER_SYNC)}")  # fmt: skip
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:
@@ -247,8 +256,14 @@ def _prefill(graphdef, params, drafter_params, state: DecodeState, tokens_BxP, p
     return state, tokens, logprobs
 
 
-def _decode(graphdef, params, state: DecodeState, *, batch: int, kv_len: int, greedy_only: bool):
-    """One token for slots [0, batch) attending to cache positions [0, kv_len)."""
+def _decode(graphdef, params, state: DecodeState, drafter_params=None, *, batch: int,
+            kv_len: int, greedy_only: bool, drafter_config=None,
+            attention_impl: str = "xla"):  # fmt: skip
+    """One token for slots [0, batch) attending to cache positions [0, kv_len).
+
+    With `drafter_params` (eager drafter sync; every slot's drafter in sync) the drafter also
+    appends the step's pair (new token, feature of the fed token), staying in sync.
+    """
     _count_trace("decode")
     model = nnx.merge(graphdef, params)
     lengths = state.lengths[:batch]
@@ -260,10 +275,18 @@ def _decode(graphdef, params, state: DecodeState, *, batch: int, kv_len: int, gr
         logits, state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
         _step_keys(state.keys[:batch], lengths + 1), greedy_only=greedy_only,
     )  # fmt: skip
+    draft = state.draft
+    if drafter_params is not None:
+        draft = speculative.extend_drafter(
+            drafter_params, drafter_config, model.embed.get_value(), draft, tokens[:, None],
+            features, lengths, jnp.ones_like(lengths), batch=batch, kv_len=kv_len,
+            attention_impl=attention_impl,
+        )  # fmt: skip
     state = state.replace(
         cache=write_kv(state.cache, new, lengths),
         lengths=state.lengths.at[:batch].add(1),
         last_token=state.last_token.at[:batch].set(tokens),
+        draft=draft,
     )
     return state, tokens, logprobs
 
@@ -405,10 +428,20 @@ class RolloutEngine(SpeculativeSteps):
         b = bucket_for(len(running), cfg.batch_buckets)
         s = bucket_for(max_len + 1, cfg.kv_buckets)
         greedy = all(r.request.sampling.greedy for r in running)
-        fn = functools.partial(_decode, self.graphdef, batch=b, kv_len=s, greedy_only=greedy)
-        program = self._program(("decode", b, s, greedy), fn, self.params, self.state, donate=(1,))
-        self.state, tokens, logprobs = program(self.params, self.state)
+        # Eager sync only extends drafters that are in sync (a lagging one is caught up by
+        # the next SD step as in lazy mode).
+        eager = (self.drafter_params is not None and cfg.drafter_sync == "eager"
+                 and all(r.draft_len == r.cache_len for r in running))  # fmt: skip
+        fn = functools.partial(_decode, self.graphdef, batch=b, kv_len=s, greedy_only=greedy,
+                               drafter_config=self.drafter_config,
+                               attention_impl=cfg.spec_attention_impl)  # fmt: skip
+        args = (self.params, self.state, self.drafter_params if eager else None)
+        program = self._program(("decode", b, s, greedy, eager), fn, *args, donate=(1,))
+        self.state, tokens, logprobs = program(*args)
         self.stats.decode_steps += 1
+        if eager:
+            for run in running:
+                run.draft_len = run.cache_len + 1  # the step's token enters the cache next
         return np.asarray(tokens), np.asarray(logprobs)
 
     def _move(self, src: int, dst: int, kv_len: int) -> None:

@@ -10,7 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tlt_jax.rollout.engine import Completion, EngineConfig, Request, RolloutEngine
+from tlt_jax.rollout.engine import (
+    DRAFTER_SYNC,
+    Completion,
+    EngineConfig,
+    Request,
+    RolloutEngine,
+)
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import SpecStrategy
 
@@ -32,6 +38,7 @@ class GenerateConfig:
     spec_strategy: str = "8,4,48"  # depth,topk,verify_tokens (used with a drafter)
     hot_vocab: int = 2048  # draft over the drafter dir's hot_vocab.json top ids (0: full head)
     spec_max_batch: int = 0  # SD only at or under this many running requests (0: always)
+    drafter_sync: str = "lazy"  # plain steps: leave the drafter behind, or keep it in sync
 
     def __post_init__(self):
         # SamplingParams and Request validate the rest with their own messages.
@@ -41,6 +48,9 @@ class GenerateConfig:
         SpecStrategy.parse(self.spec_strategy)
         if self.spec_max_batch < 0:
             raise ValueError(f"spec_max_batch={self.spec_max_batch} must be >= 0 (0: always)")
+        if self.drafter_sync not in DRAFTER_SYNC:
+            raise ValueError(f"drafter_sync={self.drafter_sync!r} is not one of "
+                             f"{list(DRAFTER_SYNC)}")  # fmt: skip
 
 
 def read_prompts(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -139,6 +149,7 @@ def run(config: GenerateConfig) -> dict[str, Any]:
             max_prefill_batch=min(8, config.max_batch_size),
             spec_strategy=SpecStrategy.parse(config.spec_strategy) if drafter else None,
             spec_max_batch=config.spec_max_batch or None,
+            drafter_sync=config.drafter_sync,
         ),  # fmt: skip
         drafter=drafter,
         hot_token_ids=hot_ids,

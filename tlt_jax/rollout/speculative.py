@@ -16,10 +16,12 @@ One SD step over the first `batch` slots of the engine's `DecodeState` is three 
    which extends its cache by the same m + 1 pairs and predicts the next root's feature.
 
 Drafter state is in sync for a slot when its `DraftState.lengths` equals the target's lengths.
-Prefill puts it in sync (`prefill_drafter`, one drafter layer over the prompt); plain decode
-steps leave it behind; `catchup_program` brings slots back by recomputing the target features of
-the missing positions (one target forward over those tokens against the target cache) and
-running the drafter over them: the cost of switching a running batch into SD mode.
+Prefill puts it in sync (`prefill_drafter`, one drafter layer over the prompt). Plain decode
+steps either keep it in sync (the engine's `drafter_sync="eager"`: each step also runs the
+drafter layer over its one new pair) or leave it behind ("lazy"); then `catchup_program` brings
+slots back by recomputing the target features of the missing positions (one target forward
+over those tokens against the target cache) and running the drafter over them: the cost of
+switching a running batch into SD mode (`scripts/bench_spec.py` measures both).
 """
 
 from __future__ import annotations
@@ -131,10 +133,14 @@ def commit_kv(cache: KVCache, new: NewKV, rows_BxA: jax.Array, start_B: jax.Arra
     return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v))
 
 
-def _extend_drafter(params, config, embed_VxD, draft: DraftState, next_tokens_BxA,
+def extend_drafter(params, config, embed_VxD, draft: DraftState, next_tokens_BxA,
                     features_BxAxD, start_B, count_B, *, batch: int, kv_len: int,
                     attention_impl: str = "xla") -> DraftState:  # fmt: skip
-    """Appends pairs (next_tokens[a], features[a]) at start + a for a < count (rows < batch)."""
+    """Appends pairs (next_tokens[a], features[a]) at start + a for a < count (rows < batch).
+
+    The drafter's EAGLE-extend: verification appends the accepted path, the catch-up the
+    positions plain steps decoded, and an eager-sync plain step its one new pair.
+    """
     a = next_tokens_BxA.shape[1]
     positions = start_B[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]
     g_BxAxD, new = drafter_forward(
@@ -243,7 +249,7 @@ def verify_program(graphdef, drafter_config: ModelConfig, params, drafter_params
     )  # fmt: skip
     count_B = result.num_accepted_B + 1
     path_features = jnp.take_along_axis(features_BxTxD, result.path_BxT[..., None], axis=1)
-    draft = _extend_drafter(
+    draft = extend_drafter(
         drafter_params, drafter_config, model.embed.get_value(), state.draft, result.tokens_BxT,
         path_features, lengths, count_B, batch=batch, kv_len=kv_len,
         attention_impl=attention_impl,
@@ -275,7 +281,7 @@ def catchup_program(graphdef, drafter_config: ModelConfig, params, drafter_param
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     features_BxTxD, _ = model(tokens_BxT, positions, cache=state.cache.view(batch, kv_len),
                               cache_lens_B=starts, attention_impl=attention_impl)  # fmt: skip
-    draft = _extend_drafter(
+    draft = extend_drafter(
         drafter_params, drafter_config, model.embed.get_value(), state.draft, next_tokens_BxT,
         features_BxTxD, starts, counts_B, batch=batch, kv_len=kv_len,
         attention_impl=attention_impl,
