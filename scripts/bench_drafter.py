@@ -1,0 +1,99 @@
+r"""Drafter training step: full-vocabulary vs hot-vocabulary soft cross-entropy, side by side.
+
+  python scripts/bench_drafter.py --output_json /tmp/bench_drafter.json
+
+One jitted EAGLE step (`tlt_jax.drafter.trainer.make_train_step`: drafter forward, loss,
+gradient, AdamW) on a packed batch of --batch_rows x --row_len tokens, for the policy head's
+full vocabulary and for its --hot_sizes most frequent columns (what `train_drafter.py
+--hot_vocab` trains). The policy's shapes come from the --model preset; its weights and the
+batch are random (a step's cost does not depend on their values). Steps alternate between the
+variants so that other load on the machine hits them alike; each figure is the median of
+--num_steps timed steps after one compile step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+_OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results (JSON).")
+_MODEL = flags.DEFINE_string("model", "smollm2_135m", "Model preset (shapes only).")
+_BATCH_ROWS = flags.DEFINE_integer("batch_rows", 2, "Packed rows per step.")
+_ROW_LEN = flags.DEFINE_integer("row_len", 1024, "Tokens per packed row.")
+_WINDOW = flags.DEFINE_integer("window", 512, "Sample window (tokens).")
+_HOT_SIZES = flags.DEFINE_list("hot_sizes", ["2048", "8192"], "Hot-vocabulary sizes to time.")
+_NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps per variant.")
+
+
+def main(argv):
+    del argv
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tlt_jax.drafter.data import pack_windows
+    from tlt_jax.drafter.trainer import DrafterTrainConfig, init_train_state, make_train_step
+    from tlt_jax.models.drafter import init_drafter
+    from tlt_jax.models.presets import get_preset
+
+    config = get_preset(_MODEL.value)
+    vocab, d = config.vocab_size, config.hidden_size
+    try:
+        hot_sizes = [int(x) for x in _HOT_SIZES.value]
+    except ValueError as e:
+        raise app.UsageError(f"--hot_sizes={_HOT_SIZES.value} must be integers") from e
+    bad = [u for u in hot_sizes if not 1 <= u <= vocab]
+    if bad:
+        raise app.UsageError(f"--hot_sizes {bad} must be in [1, vocab_size={vocab}]")
+    train = DrafterTrainConfig(batch_rows=_BATCH_ROWS.value, row_len=_ROW_LEN.value,
+                               window=_WINDOW.value)  # fmt: skip
+    rng = np.random.default_rng(0)
+    per_row = max(1, _ROW_LEN.value // _WINDOW.value)
+    samples = [
+        (rng.integers(0, vocab, _WINDOW.value).astype(np.int32),
+         rng.standard_normal((_WINDOW.value, d)).astype(np.float32),
+         np.ones(_WINDOW.value, bool))
+        for _ in range(_BATCH_ROWS.value * per_row)
+    ]  # fmt: skip
+    batch, _ = pack_windows(samples, _BATCH_ROWS.value, _ROW_LEN.value)
+    embed = jnp.asarray(0.02 * rng.standard_normal((vocab, d)), config.jnp_dtype)
+    variants = {"full": embed.T}
+    variants.update({f"hot{u}": embed.T[:, :u] for u in hot_sizes})
+    step_fn = make_train_step(config, train)
+    states, times = {}, {name: [] for name in variants}
+    for name, head in variants.items():  # compile (one program per head width)
+        states[name] = init_train_state(init_drafter(config, 0).params_dict(), train)
+        states[name], metrics = step_fn(states[name], batch, embed, head)
+        jax.block_until_ready(metrics)
+    for _ in range(_NUM_STEPS.value):
+        for name, head in variants.items():
+            start = time.perf_counter()
+            states[name], metrics = step_fn(states[name], batch, embed, head)
+            jax.block_until_ready(metrics)
+            times[name].append(time.perf_counter() - start)
+    step_s = {name: statistics.median(t) for name, t in times.items()}
+    command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
+    out = {
+        "command": command,
+        "model": _MODEL.value,
+        "backend": jax.default_backend(),
+        "cpu_count": os.cpu_count(),
+        "tokens_per_step": _BATCH_ROWS.value * _ROW_LEN.value,
+        "step_s": step_s,
+        "speedup_vs_full": {name: step_s["full"] / s for name, s in step_s.items()},
+        "loadavg_1min": os.getloadavg()[0],
+    }
+    print(json.dumps(out, indent=2))
+    print(f"command: {command}")
+    if _OUTPUT_JSON.value:
+        Path(_OUTPUT_JSON.value).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
