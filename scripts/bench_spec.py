@@ -183,8 +183,10 @@ def engine_config(batch: int, kv_len: int):
     from tlt_jax.rollout.engine import EngineConfig
 
     # One kv bucket for every length: the short compile run builds the timed runs' programs.
+    # Lazy drafter sync: the plain baseline is pure plain decoding (SD runs have no plain
+    # steps; their prefill syncs the drafter). `measure_switch` times eager sync separately.
     return EngineConfig(max_batch_size=batch, max_seq_len=kv_len, max_prefill_batch=min(batch, 8),
-                        min_kv_bucket=kv_len)  # fmt: skip
+                        min_kv_bucket=kv_len, drafter_sync="lazy")  # fmt: skip
 
 
 def parse_grid(text: str, topk: int):

@@ -29,9 +29,9 @@ flags.DEFINE_string("drafter", "", "Exported HF-EAGLE drafter dir: speculative d
 flags.DEFINE_string("spec_strategy", "8,4,48", "SD strategy depth,topk,verify_tokens.")
 flags.DEFINE_integer("hot_vocab", 2048, "Draft over this many hot tokens (0: full vocabulary).")
 flags.DEFINE_integer("spec_max_batch", 0, "SD only at <= this many running requests (0: always).")
-flags.DEFINE_enum("drafter_sync", "lazy", ["lazy", "eager"],
-                  "Plain steps leave the drafter behind (caught up at the switch into SD) or keep "
-                  "it in sync (drafter layer in every plain step).")  # fmt: skip
+flags.DEFINE_enum("drafter_sync", "eager", ["eager", "lazy"],
+                  "Plain steps keep the drafter in sync (its layer in every plain step) or leave "
+                  "it behind (caught up at the switch into SD).")  # fmt: skip
 
 
 def main(argv):

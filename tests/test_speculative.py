@@ -424,11 +424,12 @@ def test_pallas_attention_matches_xla(aligned):
 
 @pytest.fixture(scope="module")
 def engines(aligned):
-    """One SD engine (SD at <= 1 running request) whose plain mode is the reference."""
+    """One SD engine (SD at <= 1 running request) whose plain mode is the reference; lazy
+    drafter sync, so the switch into SD runs the catch-up."""
     model, drafter = aligned
     config = EngineConfig(max_batch_size=2, max_prefill_batch=2, max_seq_len=KV_LEN,
                           min_kv_bucket=KV_LEN, spec_strategy=SpecStrategy(3, 2, 6),
-                          spec_max_batch=1)  # fmt: skip
+                          spec_max_batch=1, drafter_sync="lazy")  # fmt: skip
     sd = RolloutEngine(model, config, drafter=drafter)
     plain = RolloutEngine(model, config, drafter=drafter)
     plain.step_mode = lambda num_running: None  # the hook: plain decoding only

@@ -38,7 +38,7 @@ class GenerateConfig:
     spec_strategy: str = "8,4,48"  # depth,topk,verify_tokens (used with a drafter)
     hot_vocab: int = 2048  # draft over the drafter dir's hot_vocab.json top ids (0: full head)
     spec_max_batch: int = 0  # SD only at or under this many running requests (0: always)
-    drafter_sync: str = "lazy"  # plain steps: leave the drafter behind, or keep it in sync
+    drafter_sync: str = "eager"  # plain steps keep the drafter in sync, or leave it behind
 
     def __post_init__(self):
         # SamplingParams and Request validate the rest with their own messages.
