@@ -332,23 +332,40 @@ def test_kv_commit_matches_plain_cache(aligned):
         np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
 
 
-def test_drafter_catchup_after_plain_steps(aligned):
-    """Plain steps leave the drafter behind; the catch-up program rebuilds exactly its state."""
-    model, drafter = aligned
+def _plain_steps(model, drafter, *, eager: bool, steps: int = 7):
+    """An SD-synced state of 8 rows, then `steps` plain decode steps (eager drafter sync or
+    not). Returns (state, prompts, lengths before the plain steps, tokens x[start ..])."""
     graphdef, params = nnx.split(model)
     prompts = random_prompts(8, model.config.vocab_size, seed=5)
     _, _, _, state = run_sd(model, drafter, prompts, SpecStrategy(3, 2, 5), 0)
     start = np.asarray(state.lengths)
     decode = jax.jit(functools.partial(engine_lib._decode, graphdef, batch=8, kv_len=KV_LEN,
-                                       greedy_only=True))  # fmt: skip
+                                       greedy_only=True,
+                                       drafter_config=drafter.config))  # fmt: skip
+    dparams = drafter.params_dict() if eager else None
     tokens = [np.asarray(state.last_token)]
-    for _ in range(7):
-        state, tok, _ = decode(params, state)
+    for _ in range(steps):
+        state, tok, _ = decode(params, state, dparams)
         tokens.append(np.asarray(tok))
+    return state, prompts, start, np.stack(tokens, axis=1)
+
+
+def _assert_drafter_matches_reference(model, drafter, state, prompts, tokens, lengths):
+    sequences = [list(p) + tokens[i].tolist() for i, p in enumerate(prompts)]
+    _, dnew, g = _reference_states(model, drafter, sequences)
+    for i, n in enumerate(lengths):
+        for got, want in ((state.draft.cache.k, dnew.k), (state.draft.cache.v, dnew.v)):
+            np.testing.assert_allclose(got[:, i, :n], want[:, i, :n], atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
+
+
+def test_drafter_catchup_after_plain_steps(aligned):
+    """Plain steps leave the drafter behind; the catch-up program rebuilds exactly its state."""
+    model, drafter = aligned
+    graphdef, params = nnx.split(model)
+    state, prompts, start, tokens = _plain_steps(model, drafter, eager=False)
     np.testing.assert_array_equal(np.asarray(state.draft.lengths), start)  # behind by 7
-    tokens = np.stack(tokens, axis=1)  # x[start .. start + 7]
-    t = 16
-    pad = np.zeros((8, t - 7), np.int32)
+    pad = np.zeros((8, 16 - 7), np.int32)
     catchup = jax.jit(functools.partial(speculative.catchup_program, graphdef, drafter.config,
                                         batch=8, kv_len=KV_LEN))  # fmt: skip
     state = catchup(
@@ -360,37 +377,15 @@ def test_drafter_catchup_after_plain_steps(aligned):
         np.full((8,), 7, np.int32),
     )
     np.testing.assert_array_equal(np.asarray(state.draft.lengths), start + 7)
-    sequences = [list(p) + tokens[i].tolist() for i, p in enumerate(prompts)]
-    _, dnew, g = _reference_states(model, drafter, sequences)
-    for i, n in enumerate(start + 7):
-        np.testing.assert_allclose(state.draft.cache.k[:, i, :n], dnew.k[:, i, :n], atol=2e-5,
-                                   rtol=1e-4)  # fmt: skip
-        np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
+    _assert_drafter_matches_reference(model, drafter, state, prompts, tokens, start + 7)
 
 
 def test_eager_drafter_sync_in_plain_steps(aligned):
     """Eager-sync plain steps keep the drafter exactly where the catch-up would put it."""
     model, drafter = aligned
-    graphdef, params = nnx.split(model)
-    prompts = random_prompts(8, model.config.vocab_size, seed=5)
-    _, _, _, state = run_sd(model, drafter, prompts, SpecStrategy(3, 2, 5), 0)
-    start = np.asarray(state.lengths)
-    decode = jax.jit(functools.partial(engine_lib._decode, graphdef, batch=8, kv_len=KV_LEN,
-                                       greedy_only=True,
-                                       drafter_config=drafter.config))  # fmt: skip
-    tokens = [np.asarray(state.last_token)]
-    for _ in range(7):
-        state, tok, _ = decode(params, state, drafter.params_dict())
-        tokens.append(np.asarray(tok))
+    state, prompts, start, tokens = _plain_steps(model, drafter, eager=True)
     np.testing.assert_array_equal(np.asarray(state.draft.lengths), start + 7)  # in sync
-    sequences = [list(p) + np.stack(tokens, 1)[i].tolist() for i, p in enumerate(prompts)]
-    _, dnew, g = _reference_states(model, drafter, sequences)
-    for i, n in enumerate(start + 7):
-        np.testing.assert_allclose(state.draft.cache.k[:, i, :n], dnew.k[:, i, :n], atol=2e-5,
-                                   rtol=1e-4)  # fmt: skip
-        np.testing.assert_allclose(state.draft.cache.v[:, i, :n], dnew.v[:, i, :n], atol=2e-5,
-                                   rtol=1e-4)  # fmt: skip
-        np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
+    _assert_drafter_matches_reference(model, drafter, state, prompts, tokens, start + 7)
 
 
 def test_pallas_attention_matches_xla(aligned):
