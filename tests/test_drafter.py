@@ -290,6 +290,26 @@ def train_buffer(policy):
     return buffer
 
 
+def test_harvest_features_equal_unpadded_forward(policy):
+    # Mixed lengths: batched in length order, padded per batch; every stored sample must hold
+    # its own unpadded forward's features, in its own order of tokens.
+    from tlt_jax.drafter.warmup import harvest_features
+
+    rng = np.random.default_rng(8)
+    prompts = [list(rng.integers(0, V, n)) for n in (5, 9, 3, 7, 6)]
+    responses = [list(rng.integers(0, V, n)) for n in (70, 4, 20, 90, 11)]
+    buffer = DrafterBuffer(window=256, prompt_context=64, last_n_steps=1,
+                           feature_dtype=np.float32)  # fmt: skip
+    assert harvest_features(policy, buffer, prompts, responses, batch_size=2) == 5
+    by_tokens = {tuple(s.tokens_T.tolist()): s for s in buffer._samples}
+    for p, r in zip(prompts, responses, strict=True):
+        sample = by_tokens[tuple(p + r)]
+        n = len(p) + len(r)
+        want, _ = policy(jnp.asarray([p + r]), jnp.arange(n)[None])
+        np.testing.assert_allclose(sample.features_TxD, want[0], atol=2e-5, rtol=1e-4)
+        np.testing.assert_array_equal(sample.response_mask_T, [False] * len(p) + [True] * len(r))
+
+
 def test_training_reduces_loss_and_checkpoint_resumes(train_buffer, embed_head, tmp_path):
     embed, head = embed_head
     config = DrafterTrainConfig(learning_rate=3e-3, schedule="constant", warmup_steps=2,

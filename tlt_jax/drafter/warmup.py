@@ -150,8 +150,7 @@ def generate_responses(
     return [list(c.token_ids) for c in engine.generate(requests, progress=progress)]
 
 
-def _bucket(n: int, minimum: int = 64) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())
+HARVEST_BUCKET = 64  # harvest rows are padded to a multiple of this many tokens
 
 
 def harvest_features(
@@ -165,8 +164,10 @@ def harvest_features(
 ) -> int:
     """One policy forward over prompt + response per sample; features go into `buffer`.
 
-    Rows are right-padded to power-of-two lengths (few programs); the causal mask keeps the
-    padding out of the real tokens' features, and `valid_mask` drops it from the buffer.
+    Samples are batched in order of length and each batch right-padded to a multiple of
+    `HARVEST_BUCKET` tokens, so padding stays under 64 tokens per row at the price of a few
+    programs (one per length bucket). The causal mask keeps the padding out of the real
+    tokens' features, and `valid_mask` drops it from the buffer.
 
     Returns:
       The number of samples stored.
@@ -177,16 +178,17 @@ def harvest_features(
     def forward(weights, tokens_BxT, positions_BxT):
         return nnx.merge(graphdef, weights)(tokens_BxT, positions_BxT)[0]
 
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
     stored = 0
-    for begin in range(0, len(prompt_ids), batch_size):
-        prompts = prompt_ids[begin : begin + batch_size]
-        responses = response_ids[begin : begin + batch_size]
-        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-        t = _bucket(max(lengths))
+    for begin in range(0, len(order), batch_size):
+        rows = order[begin : begin + batch_size]
+        t = -(-max(lengths[i] for i in rows) // HARVEST_BUCKET) * HARVEST_BUCKET
         tokens = np.zeros((batch_size, t), np.int32)
         response_mask = np.zeros((batch_size, t), bool)
         valid = np.zeros((batch_size, t), bool)
-        for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        for row, i in enumerate(rows):
+            p, r = prompt_ids[i], response_ids[i]
             tokens[row, : len(p) + len(r)] = list(p) + list(r)
             response_mask[row, len(p) : len(p) + len(r)] = True
             valid[row, : len(p) + len(r)] = True
