@@ -5,14 +5,17 @@ r"""Drafter training step: full-vocabulary vs hot-vocabulary soft cross-entropy,
 One jitted EAGLE step (`tlt_jax.drafter.trainer.make_train_step`: drafter forward, loss,
 gradient, AdamW) on a packed batch of --batch_rows x --row_len tokens, for the policy head's
 full vocabulary and for its --hot_sizes most frequent columns (what `train_drafter.py
---hot_vocab` trains). The policy's shapes come from the --model preset; its weights and the
-batch are random (a step's cost does not depend on their values). Steps alternate between the
-variants so that other load on the machine hits them alike; each figure is the median of
---num_steps timed steps after one compile step.
+--hot_vocab` trains), and with the first hot size, for each --unroll_steps > 1 (training-time
+test, `train_drafter.py --unroll_steps`: N drafting levels per step). The policy's shapes
+come from the --model preset; its weights and the batch are random (a step's cost does not
+depend on their values). Steps alternate between the variants so that other load on the
+machine hits them alike; each figure is the median of --num_steps timed steps after one
+compile step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -28,6 +31,7 @@ _BATCH_ROWS = flags.DEFINE_integer("batch_rows", 2, "Packed rows per step.")
 _ROW_LEN = flags.DEFINE_integer("row_len", 1024, "Tokens per packed row.")
 _WINDOW = flags.DEFINE_integer("window", 512, "Sample window (tokens).")
 _HOT_SIZES = flags.DEFINE_list("hot_sizes", ["2048", "8192"], "Hot-vocabulary sizes to time.")
+_UNROLL = flags.DEFINE_list("unroll_steps", ["3"], "Unrolled levels to time (first hot size).")
 _NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps per variant.")
 
 
@@ -48,6 +52,12 @@ def main(argv):
         hot_sizes = [int(x) for x in _HOT_SIZES.value]
     except ValueError as e:
         raise app.UsageError(f"--hot_sizes={_HOT_SIZES.value} must be integers") from e
+    try:
+        unrolls = [int(x) for x in _UNROLL.value]
+    except ValueError as e:
+        raise app.UsageError(f"--unroll_steps={_UNROLL.value} must be integers") from e
+    if any(n < 1 for n in unrolls) or (unrolls and not hot_sizes):
+        raise app.UsageError(f"--unroll_steps={unrolls} must be >= 1, with a --hot_sizes entry")
     bad = [u for u in hot_sizes if not 1 <= u <= vocab]
     if bad:
         raise app.UsageError(f"--hot_sizes {bad} must be in [1, vocab_size={vocab}]")
@@ -63,18 +73,22 @@ def main(argv):
     ]  # fmt: skip
     batch, _ = pack_windows(samples, _BATCH_ROWS.value, _ROW_LEN.value)
     embed = jnp.asarray(0.02 * rng.standard_normal((vocab, d)), config.jnp_dtype)
-    variants = {"full": embed.T}
-    variants.update({f"hot{u}": embed.T[:, :u] for u in hot_sizes})
     step_fn = make_train_step(config, train)
+    variants = {"full": (embed.T, step_fn)}  # name: (head, step function)
+    variants.update({f"hot{u}": (embed.T[:, :u], step_fn) for u in hot_sizes})
+    for n in (n for n in unrolls if n > 1):
+        unrolled = dataclasses.replace(train, unroll_steps=n)
+        variants[f"hot{hot_sizes[0]}_unroll{n}"] = (
+            embed.T[:, : hot_sizes[0]], make_train_step(config, unrolled))  # fmt: skip
     states, times = {}, {name: [] for name in variants}
-    for name, head in variants.items():  # compile (one program per head width)
+    for name, (head, step) in variants.items():  # compile (one program per variant)
         states[name] = init_train_state(init_drafter(config, 0).params_dict(), train)
-        states[name], metrics = step_fn(states[name], batch, embed, head)
+        states[name], metrics = step(states[name], batch, embed, head)
         jax.block_until_ready(metrics)
     for _ in range(_NUM_STEPS.value):
-        for name, head in variants.items():
+        for name, (head, step) in variants.items():
             start = time.perf_counter()
-            states[name], metrics = step_fn(states[name], batch, embed, head)
+            states[name], metrics = step(states[name], batch, embed, head)
             jax.block_until_ready(metrics)
             times[name].append(time.perf_counter() - start)
     step_s = {name: statistics.median(t) for name, t in times.items()}

@@ -32,6 +32,13 @@ flags.DEFINE_integer(
     "this many most frequent tokens, as generate.py --hot_vocab drafts over them "
     "(0: the full vocabulary).",
 )
+flags.DEFINE_integer(
+    "unroll_steps",
+    1,
+    "Training-time test: also train drafting levels 2..N on the drafter's own fed-back "
+    "features (1: plain EAGLE). Costs about N forward passes per step.",
+)
+flags.DEFINE_float("unroll_decay", 0.8, "Loss weight of level m is unroll_decay ** (m - 1).")
 flags.DEFINE_string("dtype", None, "Override the policy's param/compute dtype, e.g. bfloat16.")
 
 
@@ -46,6 +53,7 @@ def main(argv):
         learning_rate=FLAGS.lr, warmup_steps=min(FLAGS.warmup_steps, FLAGS.max_steps - 1),
         total_steps=FLAGS.max_steps, window=FLAGS.window, batch_rows=FLAGS.batch_rows,
         row_len=FLAGS.row_len, checkpoint_every=FLAGS.checkpoint_every,
+        unroll_steps=FLAGS.unroll_steps, unroll_decay=FLAGS.unroll_decay,
     )  # fmt: skip
     config = WarmupConfig(
         prompts=FLAGS.prompts, workdir=FLAGS.workdir, export_dir=FLAGS.export_dir,

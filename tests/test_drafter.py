@@ -21,6 +21,7 @@ from tlt_jax.drafter.trainer import (
     init_train_state,
     make_train_step,
     param_shardings,
+    unrolled_forward,
 )
 from tlt_jax.models.drafter import (
     Drafter,
@@ -243,6 +244,57 @@ def test_packed_segments_do_not_leak(embed_head):
     np.testing.assert_allclose(g[0, 7:14], g_alone[0, :7], rtol=1e-5, atol=1e-5)
 
 
+def test_unrolled_levels_equal_multistep_drafting(embed_head):
+    """Training-time test: level m of the unrolled forward is what cached drafting computes."""
+    embed, _ = embed_head
+    drafter = random_drafter(4)
+    params, config = drafter.params_dict(), drafter.config
+    first, sample = _samples(np.random.default_rng(6), (5, 12))
+    sample[2][:] = np.arange(12) >= 3  # response from position 3
+    sample[2][9] = False  # a hole: chains through pair 8 (x[9]) are not trained
+    steps = 3
+    packed, _ = pack_windows([first, sample], batch_rows=1, row_len=20)
+    inputs = eagle_inputs(packed.tokens_BxT, packed.features_BxTxD, packed.loss_mask_BxT,
+                          packed.segment_ids_BxT)  # fmt: skip
+    unroll = jax.jit(unrolled_forward, static_argnums=(1, 6))
+    levels = unroll(params, config, embed, inputs, packed.positions_BxT, packed.segment_ids_BxT,
+                    steps)  # fmt: skip
+    assert len(levels) == steps
+    # Reference: the sample alone, drafted step by step through the drafter's KV cache.
+    n, offset = 12, 5
+    tokens = np.asarray(inputs.tokens_BxT[0, offset : offset + n])[None]
+    features = jnp.asarray(sample[1])[None]
+    positions = _positions(1, n)
+    _, kv_all = forward(params, config, embed, jnp.asarray(tokens), features, positions)
+    full_cache = write_kv(drafter.init_cache(1, 16), kv_all, jnp.zeros((1,), jnp.int32))
+    pair_trained = np.asarray(inputs.loss_mask_BxT[0, offset : offset + n])
+    checked = 0
+    for t in range(n - steps):
+        cache, feature = full_cache, features[:, t : t + 1]
+        for m in range(1, steps + 1):
+            i = t + m - 1  # the pair at position i: (x[i+1], level m-1's output)
+            lens = jnp.full((1,), i, jnp.int32)
+            feature, kv = forward(params, config, embed, jnp.asarray(tokens[:, i : i + 1]),
+                                  feature, positions[:, i : i + 1], cache=cache,
+                                  cache_lens_B=lens)  # fmt: skip
+            cache = write_kv(cache, kv, lens)
+            g_m, trained_m = levels[m - 1]
+            assert bool(trained_m[0, offset + i]) == bool(pair_trained[t : i + 1].all()), (t, m)
+            np.testing.assert_allclose(g_m[0, offset + i], feature[0, 0], rtol=1e-4, atol=1e-5)
+            checked += int(trained_m[0, offset + i])
+    assert checked >= 8
+    # The packed neighbour is untouched by the sample: level m is trained nowhere in it past
+    # its own pairs, and nothing is trained at padding.
+    assert not np.asarray(levels[-1][1][0, offset + n :]).any()
+    # Level-1 loss and metrics stay those of plain EAGLE training.
+    embed_, head = embed_head
+    plain = loss_of(params, CONFIG, DrafterTrainConfig(), packed, embed_, head)[1]
+    unrolled = loss_of(params, CONFIG, DrafterTrainConfig(unroll_steps=3), packed, embed_, head)[1]
+    for key in ("vloss", "ploss", "accuracy", "tokens"):
+        np.testing.assert_allclose(unrolled[key], plain[key], rtol=1e-6)
+    assert set(unrolled) >= {"accuracy_2", "accuracy_3"}
+
+
 # ----------------------------------------------------------------------------- data
 
 
@@ -384,7 +436,8 @@ def test_export_round_trip(model_type, embed_head, tmp_path):
 @pytest.mark.parametrize(
     "field, value",
     [("learning_rate", -1.0), ("schedule", "linear"), ("batch_rows", 0), ("b2", 1.0),
-     ("grad_clip", -0.5), ("loss_token_chunk", 0), ("window", 2.5)],
+     ("grad_clip", -0.5), ("loss_token_chunk", 0), ("window", 2.5), ("unroll_steps", 0),
+     ("unroll_decay", 0.0)],
 )  # fmt: skip
 def test_train_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=rf"{field}={value!r}".replace(".", r"\.")):

@@ -23,10 +23,10 @@ from jax.sharding import Mesh
 
 from tlt_jax import optim
 from tlt_jax.drafter.data import DrafterBatch, DrafterBuffer
-from tlt_jax.drafter.loss import eagle_inputs, eagle_loss
+from tlt_jax.drafter.loss import EagleInputs, eagle_inputs, eagle_loss
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter, DrafterParams, drafter_config, drafter_forward
-from tlt_jax.models.transformer import segment_causal_mask
+from tlt_jax.models.transformer import KVCache, segment_causal_mask
 from tlt_jax.parallel import sharding as sharding_lib
 
 SCHEDULES = ("cosine", "constant")
@@ -53,6 +53,11 @@ class DrafterTrainConfig:
     row_len: int = 2048
     buffer_steps: int = 2
     loss_token_chunk: int | None = None  # bound [tokens, V] logits memory for large vocabs
+    # Training-time test (EAGLE-3 / HASS): also train drafting levels 2..unroll_steps, each
+    # fed the drafter's own previous output as in multi-step drafting; level m's loss weighs
+    # unroll_decay ** (m - 1). 1: plain EAGLE (every level sees the policy's features).
+    unroll_steps: int = 1
+    unroll_decay: float = 0.8
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
 
@@ -75,7 +80,7 @@ class DrafterTrainConfig:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 0")
         for name in ("total_steps", "window", "batch_rows", "row_len", "buffer_steps",
-                     "checkpoint_every", "keep_checkpoints"):  # fmt: skip
+                     "checkpoint_every", "keep_checkpoints", "unroll_steps"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 1")
         if self.schedule == "cosine" and self.warmup_steps >= self.total_steps:
@@ -83,6 +88,8 @@ class DrafterTrainConfig:
                 f"warmup_steps={self.warmup_steps} must be < total_steps={self.total_steps} "
                 "for the cosine schedule"
             )
+        if not 0 < self.unroll_decay <= 1:
+            raise ValueError(f"unroll_decay={self.unroll_decay!r} must be in (0, 1]")
         if self.loss_token_chunk is not None and self.loss_token_chunk < 1:
             raise ValueError(f"loss_token_chunk={self.loss_token_chunk!r} must be >= 1 or None")
 
@@ -133,6 +140,56 @@ def param_shardings(target_config: ModelConfig, mesh: Mesh, role: str = "train")
     return nnx.to_pure_dict(shardings)
 
 
+def unrolled_forward(
+    params: DrafterParams,
+    model_config: ModelConfig,
+    embed_VxD: jax.Array,
+    inputs: EagleInputs,
+    positions_BxT: jax.Array,
+    segment_ids_BxT: jax.Array,
+    steps: int,
+) -> list[tuple[jax.Array, jax.Array]]:
+    """The drafter's outputs at drafting levels 1..steps over every position of a packed batch.
+
+    Level 1 is the plain EAGLE forward: pair t = (x[t+1], f[t]) under the block-diagonal causal
+    mask. Level m at position i is what multi-step drafting computes there when the last
+    position drafted from is t = i - m + 1 and the drafted tokens are the true ones: its input
+    is (x[i+1], level m-1's output at i-1), and it attends to level 1's keys at positions <= t
+    (the cache of accepted pairs), to level p's key at position t + p - 1 for 1 < p < m (the
+    drafted path) and to itself. Each level is one pass whose "cache" is the earlier levels'
+    keys and values, under `cache_mask_BxTxS`; gradients flow through the fed-back outputs.
+
+    Returns:
+      `[(g_BxTxD, loss_mask_BxT), ...]`, one per level: level m's predicted f[i+1] at
+      position i, trained iff pairs i-m+1 .. i are all trained pairs (one response, unbroken).
+    """
+    b, t = inputs.tokens_BxT.shape
+    same_BxTxT = segment_causal_mask(segment_ids_BxT)
+    g, kv = drafter_forward(
+        params, model_config, embed_VxD, inputs.tokens_BxT, inputs.features_BxTxD,
+        positions_BxT, mask_BxTxT=same_BxTxT,
+    )  # fmt: skip
+    levels = [(g, inputs.loss_mask_BxT)]
+    keys, values, valid_BxT = [kv.k], [kv.v], inputs.loss_mask_BxT
+    i_T1, j_1T = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    eye_BxTxT = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+    for m in range(2, steps + 1):
+        valid_BxT = valid_BxT & jnp.pad(inputs.loss_mask_BxT, ((0, 0), (m - 1, 0)))[:, :t]
+        blocks = [same_BxTxT & (j_1T <= i_T1 - (m - 1))[None]]  # level 1: the accepted prefix
+        blocks += [jnp.broadcast_to(j_1T == i_T1 - m + p, (b, t, t)) for p in range(2, m)]
+        fed_back_BxTxD = jnp.pad(g[:, :-1], ((0, 0), (1, 0), (0, 0)))
+        g, kv = drafter_forward(
+            params, model_config, embed_VxD, inputs.tokens_BxT, fed_back_BxTxD, positions_BxT,
+            mask_BxTxT=eye_BxTxT,
+            cache=KVCache(k=jnp.concatenate(keys, axis=2), v=jnp.concatenate(values, axis=2)),
+            cache_mask_BxTxS=jnp.concatenate(blocks, axis=-1),
+        )  # fmt: skip
+        levels.append((g, valid_BxT))
+        keys.append(kv.k)
+        values.append(kv.v)
+    return levels
+
+
 def batch_loss(
     params: DrafterParams,
     model_config: ModelConfig,
@@ -141,19 +198,32 @@ def batch_loss(
     embed_VxD: jax.Array,
     head_DxV: jax.Array,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The EAGLE loss of a packed batch (block-diagonal mask, per-segment positions)."""
+    """The EAGLE loss of a packed batch (block-diagonal mask, per-segment positions).
+
+    With `config.unroll_steps > 1` the loss is the `unroll_decay`-weighted mean over drafting
+    levels (`unrolled_forward`); `vloss`, `ploss` and `accuracy` stay level 1's, and
+    `accuracy_m` reports level m.
+    """
     inputs = eagle_inputs(
         batch.tokens_BxT, batch.features_BxTxD, batch.loss_mask_BxT, batch.segment_ids_BxT
     )
-    g_BxTxD, _ = drafter_forward(
-        params, model_config, embed_VxD, inputs.tokens_BxT, inputs.features_BxTxD,
-        batch.positions_BxT, mask_BxTxT=segment_causal_mask(batch.segment_ids_BxT),
-    )  # fmt: skip
-    return eagle_loss(
-        g_BxTxD, inputs.targets_BxTxD, inputs.loss_mask_BxT, head_DxV,
-        vloss_weight=config.vloss_weight, ploss_weight=config.ploss_weight,
-        token_chunk=config.loss_token_chunk,
-    )  # fmt: skip
+    levels = unrolled_forward(params, model_config, embed_VxD, inputs, batch.positions_BxT,
+                              batch.segment_ids_BxT, config.unroll_steps)  # fmt: skip
+    total, weights, metrics = 0.0, 0.0, {}
+    for m, (g_BxTxD, mask_BxT) in enumerate(levels, start=1):
+        loss, level_metrics = eagle_loss(
+            g_BxTxD, inputs.targets_BxTxD, mask_BxT, head_DxV,
+            vloss_weight=config.vloss_weight, ploss_weight=config.ploss_weight,
+            token_chunk=config.loss_token_chunk,
+        )  # fmt: skip
+        weight = config.unroll_decay ** (m - 1)
+        total, weights = total + weight * loss, weights + weight
+        if m == 1:
+            metrics = level_metrics
+        else:
+            metrics[f"accuracy_{m}"] = level_metrics["accuracy"]
+    loss = total / weights
+    return loss, dict(metrics, loss=loss)
 
 
 def make_train_step(

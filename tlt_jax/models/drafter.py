@@ -59,6 +59,7 @@ def drafter_forward(
     mask_BxTxT: jax.Array | None = None,
     cache: KVCache | None = None,
     cache_lens_B: jax.Array | None = None,
+    cache_mask_BxTxS: jax.Array | None = None,
     attention_impl: str = "xla",
 ) -> tuple[jax.Array, NewKV]:
     """Pure drafter forward over T input pairs per row.
@@ -74,8 +75,10 @@ def drafter_forward(
       mask_BxTxT: which new positions attend to which (default causal; block-diagonal for
         packed training rows, a tree mask for tree drafting).
       cache: the drafter's own cache ([1, B, S, K, H]); queries also attend to positions
-        `< cache_lens_B[b]`.
-      cache_lens_B: valid cached length per row (required with `cache`).
+        `< cache_lens_B[b]`, or to those `cache_mask_BxTxS` allows.
+      cache_lens_B: valid cached length per row (with `cache`, this or `cache_mask_BxTxS`).
+      cache_mask_BxTxS: which cache positions each new position attends to (xla only; the
+        unrolled training of `tlt_jax.drafter.trainer`, whose cache is earlier passes).
       attention_impl: "xla" or "pallas" (cached path only).
 
     Returns:
@@ -83,8 +86,13 @@ def drafter_forward(
     """
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"{attention_impl=} is not one of {list(ATTENTION_IMPLS)}")
-    if (cache is None) != (cache_lens_B is None):
-        raise ValueError("cache and cache_lens_B must be given together")
+    given = (cache_lens_B is not None) + (cache_mask_BxTxS is not None)
+    if given != (0 if cache is None else 1):
+        raise ValueError(
+            "a cache needs exactly one of cache_lens_B or cache_mask_BxTxS, and neither goes "
+            f"without one (cache given: {cache is not None}, cache_lens_B given: "
+            f"{cache_lens_B is not None}, cache_mask_BxTxS given: {cache_mask_BxTxS is not None})"
+        )
     if cache is not None and cache.k.shape[0] != 1:
         raise ValueError(f"drafter cache has {cache.k.shape[0]} layers; expected 1")
     d = config.hidden_size
@@ -107,7 +115,7 @@ def drafter_forward(
     g_BxTxD, (k_BxTxKxH, v_BxTxKxH) = decoder_layer(
         layer, h_BxTxD, sin_cos, mask_BxTxT, config,
         None if cache is None else cache.k[0], None if cache is None else cache.v[0],
-        cache_lens_B, attention_impl, input_norm=False,
+        cache_lens_B, attention_impl, input_norm=False, cache_mask_BxTxS=cache_mask_BxTxS,
     )  # fmt: skip
     return g_BxTxD, NewKV(k=k_BxTxKxH[None], v=v_BxTxKxH[None])
 

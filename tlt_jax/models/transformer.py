@@ -138,8 +138,15 @@ def attention(
     cache_v_BxSxKxH: jax.Array | None = None,
     cache_lens_B: jax.Array | None = None,
     impl: str = "xla",
+    cache_mask_BxTxS: jax.Array | None = None,
 ) -> jax.Array:
-    """Softmax attention over the valid cached prefix plus the masked new tokens."""
+    """Softmax attention over the valid cached prefix plus the masked new tokens.
+
+    A query attends to cache positions `< cache_lens_B[b]`, or, with `cache_mask_BxTxS`
+    (xla only), to exactly the cache positions that mask allows it.
+    """
+    if impl == "pallas" and cache_mask_BxTxS is not None:
+        raise ValueError("cache_mask_BxTxS is supported by impl='xla' only")
     if impl == "pallas" and cache_k_BxSxKxH is not None:
         from pallas_kernels.tree_attention import tree_attention
 
@@ -166,8 +173,11 @@ def attention(
         cache_k_BxSxKxH.astype(q_BxTxNxH.dtype),
         preferred_element_type=jnp.float32,
     )
-    valid_BxS = jnp.arange(s)[None, :] < cache_lens_B[:, None]
-    logits_cache = jnp.where(valid_BxS[:, None, None, None, :], logits_cache, neg)
+    if cache_mask_BxTxS is None:
+        valid = (jnp.arange(s)[None, :] < cache_lens_B[:, None])[:, None, None, None, :]
+    else:
+        valid = cache_mask_BxTxS[:, None, None]
+    logits_cache = jnp.where(valid, logits_cache, neg)
     probs = jax.nn.softmax(jnp.concatenate([logits_cache, logits_new], axis=-1), axis=-1)
     probs = probs.astype(v_BxTxKxH.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., :s], cache_v_BxSxKxH.astype(probs.dtype))
@@ -186,6 +196,7 @@ def decoder_layer(
     cache_lens_B: jax.Array | None = None,
     attention_impl: str = "xla",
     input_norm: bool = True,
+    cache_mask_BxTxS: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One pre-norm decoder layer; returns the output and the new keys/values."""
     dtype = config.jnp_dtype
@@ -200,8 +211,9 @@ def decoder_layer(
     k = constrain(apply_rope(k, *sin_cos), ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
     attn = attention(
-        q, k, v, mask_BxTxT, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B, attention_impl
-    )
+        q, k, v, mask_BxTxT, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B, attention_impl,
+        cache_mask_BxTxS,
+    )  # fmt: skip
     x_BxTxD = x_BxTxD + jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
     x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
     h_BxTxD = rms_norm(x_BxTxD, params["mlp_norm"], config.rms_norm_eps)
