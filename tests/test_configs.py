@@ -6,11 +6,13 @@ import subprocess
 import sys
 
 import pytest
+from absl import flags
+from ml_collections import config_flags
 from rl_testing import CONFIG_DIR, REPO, load_config_dict, tiny_config
 
 from tlt_jax.models.presets import get_preset
 from tlt_jax.rl import policy
-from tlt_jax.rl.config import TrainConfig
+from tlt_jax.rl.config import ModelSettings, TrainConfig, default_config_dict
 from tlt_jax.rl.trainer import Trainer
 
 CONFIGS = [("tiny", None), ("smollm2_arith", None), ("smollm2_arith", "smoke"),
@@ -99,3 +101,23 @@ def test_cli_refuses_bad_config_before_compiling(tmp_path):
     assert result.returncode != 0
     assert "rl.group_size=1 must be an integer >= 2" in result.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_default_config_dict_is_the_typed_defaults():
+    config = default_config_dict()
+    config.model.preset = "tiny"
+    assert TrainConfig.from_config_dict(config) == TrainConfig(ModelSettings(preset="tiny"))
+
+
+def test_command_line_sets_fields_whose_default_is_none():
+    # Fields defaulting to None are typed placeholders, so absl can parse a value for them.
+    argv = ["train.py", f"--config={CONFIG_DIR / 'smollm2_gsm8k.py'}",
+            "--config.data.data_dir=/data/gsm8k", "--config.data.system_prompt=Be brief.",
+            "--config.rl.epsilon_high=0.3"]  # fmt: skip
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
+    values(argv)
+    config = TrainConfig.from_config_dict(values.config)
+    assert config.data.data_dir == "/data/gsm8k"
+    assert config.data.system_prompt == "Be brief."
+    assert config.rl.algorithm.epsilon_high == 0.3

@@ -14,6 +14,9 @@ compiles, with a message naming the flag (`rl.group_size=1 ...`) and the allowed
 - `checkpoint`: orbax retention and async saves.
 
 Top level: `total_steps`, `checkpoint_every`, `seed`, `plot_every`.
+
+Config files start from `default_config_dict()` (every field at its default) and override
+what their run needs, so a field added here reaches every config.
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import types
+import typing
 from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
 
 from tlt_jax.data.pipeline import DataConfig
 from tlt_jax.models.config import DTYPES
@@ -380,3 +388,38 @@ class TrainConfig:
         out["rl"].update(out["rl"].pop("algorithm"))
         out["model"]["mesh_shape"] = list(self.model.mesh_shape)
         return out
+
+
+def _config_fields(cls) -> dict[str, Any]:
+    """A dataclass's fields at their defaults; None defaults become typed placeholders."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for field in dataclasses.fields(cls):
+        value = field.default
+        if value is dataclasses.MISSING:
+            value = field.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(value):  # the algorithm, flat in its group
+            out.update(_config_fields(type(value)))
+        elif value is None:  # `--config.group.field=...` needs the field's type to parse
+            hint = hints[field.name]
+            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+                hint = next(t for t in typing.get_args(hint) if t is not type(None))
+            out[field.name] = config_dict.placeholder(hint)
+        else:
+            out[field.name] = value
+    return out
+
+
+def default_config_dict() -> ml_collections.ConfigDict:
+    """Every `TrainConfig` field at its default, as a ConfigDict: what config files start from.
+
+    With `model.name` or `model.preset` set, `TrainConfig.from_config_dict` of it equals
+    `TrainConfig(ModelSettings(...))`.
+    """
+    c = ml_collections.ConfigDict()
+    top = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name not in _GROUPS}
+    for name, value in top.items():
+        setattr(c, name, value)
+    for group, group_cls in _GROUPS.items():
+        setattr(c, group, _config_fields(group_cls))
+    return c
