@@ -13,7 +13,8 @@ Measured in one run:
   (a) grid at batch 1 (--num_prompts prompts, one at a time, --max_new_tokens each):
       depth x verify_tokens (--grid) at --topk with the hot draft vocabulary (--hot_vocab_size
       ids counted from --hot_vocab, default DRAFTER/hot_vocab.json), and with the full one at
-      each depth's fastest point (--full_vocab), vs plain decoding;
+      each depth's fastest point (--full_vocab), vs plain decoding; `max_speedup` is what
+      each point's measured step time would give if every drafted token were accepted;
   (b) batch sweep (--batch_sizes, --sweep_new_tokens each) at the fastest strategy of (a):
       speedup and acceptance per batch size, and `crossover_batch`, the smallest batch at
       which SD no longer beats plain decoding;
@@ -378,6 +379,10 @@ def measure_grid(engine, groups, strategies, hot_ids, repeats: int) -> tuple[dic
     def point(strategy, hot):
         warm_up(engine, groups, strategy, hot)
         row = compare(run_point(engine, groups, strategy, hot, repeats), plain)
+        # The speedup if every drafted token were accepted: a step emits at most
+        # min(depth, verify_tokens - 1) + 1 tokens, at this measured SD step time.
+        most = min(strategy.depth, strategy.verify_tokens - 1) + 1
+        row["max_speedup"] = most * row["plain_step_ms"] / row["step_ms"]
         grid.append(dict(strategy=str(strategy), hot_vocab=hot is not None, **row))
         print(f"{strategy!s:>8} hot={hot is not None!s:5}: {row['tokens_per_s']:6.1f} tok/s, "
               f"speedup {row['speedup']:.2f}, accept {row['accept_len']:.2f}, step "
