@@ -54,6 +54,48 @@ def test_rloo_leaves_one_out():
     )
 
 
+# Constants whose float32 group mean is not exactly the constant for some of these G (eight
+# 0.1s average to 0.1 + 7e-9; GRPO used to turn that into -0.007, sixteen 0.7s into -0.106).
+@pytest.mark.parametrize("name", sorted(algorithms.ADVANTAGE_ESTIMATORS))
+@pytest.mark.parametrize("group_size", [3, 8, 16])
+@pytest.mark.parametrize("reward", [0.1, 0.7, 1.1, 1.2])
+def test_all_equal_group_is_exactly_zero(name, group_size, reward):
+    rewards = jnp.full((2, group_size), reward, jnp.float32)
+    advantages = algorithms.ADVANTAGE_ESTIMATORS[name](rewards)
+    assert advantages.dtype == jnp.float32
+    assert np.all(np.asarray(advantages) == 0), np.asarray(advantages)
+
+
+@pytest.mark.parametrize("name", sorted(algorithms.ADVANTAGE_ESTIMATORS))
+def test_has_signal_marks_only_groups_with_different_rewards(name):
+    # The trainer skips micro-batches whose groups all have advantage exactly 0
+    # (`has_signal = np.any(advantages != 0, axis=1)`): a format-only group (every completion
+    # 0.1) must count as no signal, a group with one correct answer as signal.
+    rewards = np.array([[0.1] * 8, [1.1] + [0.1] * 7, [0.0] * 8], np.float32)
+    config = AlgorithmConfig(advantage_estimator=name)
+    advantages = np.asarray(algorithms.compute_advantages(config, rewards), np.float32)
+    assert np.any(advantages != 0, axis=1).tolist() == [False, True, False]
+
+
+def _advantages_float64(name, rewards):
+    group_size = rewards.shape[-1]
+    centered = rewards - rewards.mean(axis=-1, keepdims=True)
+    if name == "grpo":
+        return centered / (rewards.std(axis=-1, ddof=1, keepdims=True) + 1e-6)
+    if name == "rloo":
+        return centered * group_size / (group_size - 1)
+    return centered
+
+
+@pytest.mark.parametrize("name", sorted(algorithms.ADVANTAGE_ESTIMATORS))
+def test_advantages_match_float64_on_random_groups(name):
+    # The shift by the group's first reward must not cost accuracy on ordinary groups.
+    rewards = np.random.default_rng(0).uniform(-2, 3, size=(64, 8)).astype(np.float32)
+    got = algorithms.ADVANTAGE_ESTIMATORS[name](jnp.asarray(rewards))
+    expected = _advantages_float64(name, rewards.astype(np.float64))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", sorted(algorithms.ADVANTAGE_ESTIMATORS))
 def test_group_of_one_gives_zero_advantage(name):
     advantages = algorithms.ADVANTAGE_ESTIMATORS[name](jnp.array([[5.0], [-2.0]]))

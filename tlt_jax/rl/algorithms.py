@@ -28,12 +28,25 @@ import jax.numpy as jnp
 # ---------------------------------------------------------------------------------------------
 
 
+def _centered(rewards_PxG: jax.Array) -> jax.Array:
+    """`r - mean(r)` within each group, exactly 0 for a group whose rewards are all equal.
+
+    The float32 mean of G equal rewards can be an ulp off (eight 0.1s average to 0.1 + 7e-9),
+    and GRPO's division by a std of ~1e-8 + eps turns that ulp into advantages of ~-0.007 for
+    a group with no signal. Shifting by the group's first reward first makes an all-equal group
+    exactly zero before the mean is taken (and is the textbook shifted-data variance trick).
+    """
+    shifted_PxG = rewards_PxG - rewards_PxG[..., :1]
+    return shifted_PxG - jnp.mean(shifted_PxG, axis=-1, keepdims=True)
+
+
 def grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
     """GRPO group-normalised advantages, `(r - mean) / (std + eps)` within each group.
 
     The std is the *sample* std (Bessel-corrected, ddof=1), matching verl
     (`torch.std`) and tunix (`ddof=1`). A group whose rewards are all equal has zero
-    deviation, so its advantages are exactly 0 (no NaN). With G == 1 the std is taken
+    deviation, so its advantages are exactly 0 (not NaN, nor an ulp of rounding blown up by
+    the division; see `_centered`). With G == 1 the std is taken
     as 0, and the advantage is 0.
 
     Args:
@@ -45,7 +58,7 @@ def grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
     """
     rewards_PxG = jnp.asarray(rewards_PxG, jnp.float32)
     group_size = rewards_PxG.shape[-1]
-    centered_PxG = rewards_PxG - jnp.mean(rewards_PxG, axis=-1, keepdims=True)
+    centered_PxG = _centered(rewards_PxG)
     variance_Px1 = jnp.sum(jnp.square(centered_PxG), axis=-1, keepdims=True) / max(
         group_size - 1, 1
     )
@@ -55,6 +68,8 @@ def grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
 def dr_grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
     """Dr. GRPO advantages, `r - mean` within each group (no std scaling).
 
+    A group whose rewards are all equal gets exactly 0.
+
     Args:
       rewards_PxG: scalar reward per completion, grouped by prompt.
       eps: unused; kept so every estimator has the same signature.
@@ -63,14 +78,14 @@ def dr_grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
       advantages_PxG, float32.
     """
     del eps
-    rewards_PxG = jnp.asarray(rewards_PxG, jnp.float32)
-    return rewards_PxG - jnp.mean(rewards_PxG, axis=-1, keepdims=True)
+    return _centered(jnp.asarray(rewards_PxG, jnp.float32))
 
 
 def rloo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
     """REINFORCE leave-one-out advantages, `r_i - mean_{j != i} r_j`.
 
-    Equal to `G / (G - 1) * (r_i - mean)`. With G == 1 there is no other sample to form a
+    Equal to `G / (G - 1) * (r_i - mean)`, computed that way (from `_centered`), so a group whose
+    rewards are all equal gets exactly 0. With G == 1 there is no other sample to form a
     baseline, and the advantages are 0.
 
     Args:
@@ -85,8 +100,7 @@ def rloo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
     group_size = rewards_PxG.shape[-1]
     if group_size < 2:
         return jnp.zeros_like(rewards_PxG)
-    centered_PxG = rewards_PxG - jnp.mean(rewards_PxG, axis=-1, keepdims=True)
-    return centered_PxG * (group_size / (group_size - 1))
+    return _centered(rewards_PxG) * (group_size / (group_size - 1))
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., jax.Array]] = {
