@@ -111,7 +111,9 @@ def draft_candidates(
         ids = index if hot_token_ids is None else jnp.take(hot_token_ids, index)
         return ids.astype(jnp.int32)
 
-    logp_BxV = jax.nn.log_softmax(draft_logits(feature_BxD[:, None], head_DxV)[:, 0], axis=-1)
+    logp_BxV = _nan_to_neg_inf(
+        jax.nn.log_softmax(draft_logits(feature_BxD[:, None], head_DxV)[:, 0], axis=-1)
+    )
     scores, tokens = jax.lax.top_k(logp_BxV, k)
     tokens = to_vocab(tokens)
     c = k + (depth - 1) * k * k
@@ -163,7 +165,7 @@ def draft_candidates(
             attention_impl=attention_impl,
         )  # fmt: skip
         g_front = jax.lax.dynamic_slice_in_dim(g_BxNxD, first, k, axis=1)  # [B, k, D]
-        logp = jax.nn.log_softmax(draft_logits(g_front, head_DxV), axis=-1)  # [B, k, V]
+        logp = _nan_to_neg_inf(jax.nn.log_softmax(draft_logits(g_front, head_DxV), axis=-1))
         child_logp, child_tokens = jax.lax.top_k(logp, k)  # [B, k, k]
         child_scores = (front.scores_Bxk[:, :, None] + child_logp).reshape(b, k * k)
         child_tokens = to_vocab(child_tokens.reshape(b, k * k))
@@ -190,6 +192,12 @@ def draft_candidates(
     return cands
 
 
+def _nan_to_neg_inf(x: jax.Array) -> jax.Array:
+    # `lax.top_k` ranks NaN above every number: a NaN-scored node would be drafted, expanded and
+    # kept first. As -inf it ranks last, and sums of -inf scores stay -inf (never NaN).
+    return jnp.where(jnp.isnan(x), -jnp.inf, x)
+
+
 class _Run(NamedTuple):
     tokens_BxN: jax.Array
     features_BxNxD: jax.Array
@@ -214,10 +222,14 @@ def build_tree(
 ) -> DraftTree:
     """Keeps the verify_tokens - 1 best-scoring candidates and prepends the root.
 
-    A child never outscores its parent (log-probabilities are <= 0) and `lax.top_k` prefers the
-    lower index on ties, so the kept set is closed under ancestors; sorting the kept candidate
-    indices puts parents before children. Depths are recomputed from the parent links (a node
-    whose parent was not kept, possible only with NaN scores, hangs off the root consistently).
+    Candidates are ranked by their score capped by every ancestor's (NaN read as -inf), so a
+    child never outranks its parent: `draft_candidates` scores already satisfy this (log-
+    probabilities are <= 0), the cap makes it hold for any scores, NaN included. With
+    `lax.top_k` preferring the lower index on ties, the kept set is closed under ancestors:
+    no node loses its parent, so siblings keep the distinct tokens the drafter's top-k gave them
+    (an orphan re-hung under the root could repeat a root child's token, and a repeated sibling
+    would be accepted twice by the sibling walk, which is then no longer lossless). Sorting the
+    kept candidate indices puts parents before children.
 
     Args:
       candidates: from `draft_candidates`.
@@ -236,7 +248,15 @@ def build_tree(
         zeros = jnp.zeros((b, 1), jnp.int32)
         return DraftTree(root, zeros - 1, zeros, lengths_B[:, None] + zeros,
                          jnp.ones((b, 1, 1), bool))  # fmt: skip
-    _, keep = jax.lax.top_k(candidates.scores_BxC, n)
+    # Parents precede children, so after i passes nodes down to depth i + 1 are capped.
+    own_scores = _nan_to_neg_inf(candidates.scores_BxC.astype(jnp.float32))
+    has_parent = candidates.parents_BxC >= 0
+    gather_cand = jnp.maximum(candidates.parents_BxC, 0)
+    ranks = own_scores
+    for _ in range(max_depth - 1):
+        capped = jnp.take_along_axis(ranks, gather_cand, axis=1)
+        ranks = jnp.where(has_parent, jnp.minimum(own_scores, capped), own_scores)
+    _, keep = jax.lax.top_k(ranks, n)
     keep = jnp.sort(keep, axis=1)
     tokens = jnp.take_along_axis(candidates.tokens_BxC, keep, axis=1)
     parent_cands = jnp.take_along_axis(candidates.parents_BxC, keep, axis=1)
@@ -247,7 +267,7 @@ def build_tree(
         .set(jnp.arange(1, n + 1, dtype=jnp.int32))
     )
     parents = jnp.take_along_axis(node_of_cand, jnp.maximum(parent_cands, 0), axis=1)
-    parents = jnp.where(parent_cands < 0, 0, parents)  # 0: the root (also for orphans)
+    parents = jnp.where(parent_cands < 0, 0, parents)  # 0: the root
     parents_BxT = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parents], axis=1)
     # Ancestor-or-self: each pass adds one more generation; max_depth passes reach the root.
     gather_parent = jnp.maximum(parents_BxT, 0)
