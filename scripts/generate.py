@@ -3,9 +3,11 @@ r"""Batched generation with the rollout engine.
   python scripts/generate.py --prompts prompts.jsonl --output out.jsonl \
       --model smollm2-135m-instruct --max_new_tokens 128
 
-Each input line has `prompt` (raw text) or `messages` (chat, templated by the tokenizer); each
-output line has `index`, `text`, `token_ids`, `logprobs`, `finish_reason`, `accepted_lengths`
-(one entry per speculative step), in input order. Speculative decoding with an EAGLE drafter:
+Each input line has `prompt` (raw text, encoded as given) or `messages` (chat, templated by the
+tokenizer); generation stops on the ids RL stops on (`tlt_jax.data.tokenizer.stop_token_ids`:
+eos and end-of-turn tokens such as `<|im_end|>`). Each output line has `index`, `text`,
+`token_ids`, `logprobs`, `finish_reason`, `accepted_lengths` (one entry per speculative step),
+in input order. Speculative decoding with an EAGLE drafter:
 
   python scripts/generate.py ... --drafter /path/to/eagle_dir --spec_strategy 8,4,48
 """

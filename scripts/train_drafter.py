@@ -10,7 +10,8 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", None, "HF directory, .gguf file or short model name.", required=True)
-flags.DEFINE_string("prompts", None, "JSONL with 'prompt' or 'messages' per line.", required=True)
+flags.DEFINE_string("prompts", None, "JSONL with 'prompt' (a question, rendered like RL prompts) "
+                    "or 'messages' (a chat) per line.", required=True)  # fmt: skip
 flags.DEFINE_string("workdir", None, "Checkpoints and cached responses.", required=True)
 flags.DEFINE_string("export_dir", None, "EAGLE output directory (default workdir/eagle).")
 flags.DEFINE_integer("max_steps", 1000, "Drafter optimizer steps.")
@@ -55,11 +56,13 @@ def main(argv):
         row_len=FLAGS.row_len, checkpoint_every=FLAGS.checkpoint_every,
         unroll_steps=FLAGS.unroll_steps, unroll_decay=FLAGS.unroll_decay,
     )  # fmt: skip
+    # Without --instruction, WarmupConfig's default: the RL pipeline's instruction.
+    instruction = {} if FLAGS.instruction is None else {"instruction": FLAGS.instruction}
     config = WarmupConfig(
         prompts=FLAGS.prompts, workdir=FLAGS.workdir, export_dir=FLAGS.export_dir,
-        instruction=FLAGS.instruction, max_new_tokens=FLAGS.max_new_tokens,
-        max_prompts=FLAGS.max_prompts, temperature=FLAGS.temperature, seed=FLAGS.seed,
-        hot_vocab_size=FLAGS.hot_vocab or None, train=train,
+        max_new_tokens=FLAGS.max_new_tokens, max_prompts=FLAGS.max_prompts,
+        temperature=FLAGS.temperature, seed=FLAGS.seed, hot_vocab_size=FLAGS.hot_vocab or None,
+        train=train, **instruction,
     )  # fmt: skip
     out = run_warmup(config, load_model(FLAGS.model, **overrides), load_tokenizer(FLAGS.model),
                      max_steps=FLAGS.max_steps)  # fmt: skip

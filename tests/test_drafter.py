@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tlt_jax.data.tokenizer import stop_token_ids
 from tlt_jax.drafter.data import DrafterBuffer, cut_window, pack_windows
 from tlt_jax.drafter.export import export_eagle, load_eagle
 from tlt_jax.drafter.hot_vocab import load_hot_vocab, load_token_counts
@@ -454,11 +455,19 @@ def test_param_shardings_on_fake_mesh():
 
 
 class _ByteTokenizer:
+    """Bytes folded into the tiny vocabulary; id 0 is eos and there are no other special tokens."""
+
     chat_template = None
     eos_token_id = 0
 
     def encode(self, text, add_special_tokens=True):
         return [1 + b % (V - 1) for b in text.encode()]
+
+    def convert_tokens_to_ids(self, token):
+        return None
+
+    def convert_ids_to_tokens(self, token_id):
+        return None
 
 
 def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
@@ -466,8 +475,8 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
 
     calls = []
 
-    def fake_generate(model, prompt_ids, *, max_new_tokens, **kwargs):
-        calls.append(len(prompt_ids))
+    def fake_generate(model, prompt_ids, *, max_new_tokens, stop_ids, **kwargs):
+        calls.append((len(prompt_ids), tuple(stop_ids)))
         return [[(3 * i + j) % (V - 1) + 1 for j in range(max_new_tokens)]
                 for i in range(len(prompt_ids))]  # fmt: skip
 
@@ -496,7 +505,8 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
     monkeypatch.setattr(warmup, "train_drafter", spy_train)
     config = dataclasses.replace(config, hot_vocab_size=3)
     out = warmup.run_warmup(config, policy, _ByteTokenizer(), max_steps=5)
-    assert calls == [5]  # the second run reused the cached responses
+    # The RL job's stop ids; the second run reused the cached responses.
+    assert calls == [(5, stop_token_ids(_ByteTokenizer()))] == [(5, (0,))]
     assert seen_hot[0].tolist() == [13, 14, 15]  # the loss ran over the hot ids
     with pytest.raises(ValueError, match="hot_vocab_size=999"):
         warmup.run_warmup(dataclasses.replace(config, hot_vocab_size=999), policy,

@@ -1,4 +1,4 @@
-"""Prompt data for RL: TFDS splits read without TensorFlow, prompt rendering, resumable batches.
+"""Prompt data: TFDS splits read without TensorFlow, JSONL prompt files, rendering, batches.
 
 Datasets are built by TFDS `GeneratorBasedBuilder`s (`arithmetic`, `gsm8k`) into
 `array_record` files and read back through `as_data_source` (what `tfds.data_source` returns):
@@ -13,8 +13,10 @@ for checkpoints, and restoring it replays exactly the batches that would have co
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -98,6 +100,29 @@ class ChatTokenizer(Protocol):
     ) -> Any: ...
 
 
+def render_chat(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, str]]) -> str:
+    """A conversation in the tokenizer's chat template, ending in the assistant generation prompt.
+
+    Args:
+      tokenizer: a tokenizer with a chat template.
+      messages: `{"role", "content"}` turns.
+
+    Returns:
+      The prompt text (not yet tokenised); it holds the template's special tokens.
+    """
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"a `messages` prompt needs a tokenizer with a chat template; "
+            f"{type(tokenizer).__name__} has none (give a `prompt` instead)"
+        )
+    rendered = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+    )
+    if not isinstance(rendered, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}")
+    return rendered
+
+
 def render_prompt(
     tokenizer: ChatTokenizer | None,
     question: str,
@@ -122,15 +147,84 @@ def render_prompt(
       The prompt text (not yet tokenised).
     """
     content = f"{question.strip()}\n\n{instruction}" if instruction else question.strip()
-    if not use_chat_template or tokenizer is None or not tokenizer.chat_template:
+    if not uses_chat_template(tokenizer, use_chat_template):
         return content
     messages = [{"role": "user", "content": content}]
     if system_prompt is not None:
         messages.insert(0, {"role": "system", "content": system_prompt})
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    if not isinstance(rendered, str):
-        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(rendered).__name__}")
-    return rendered
+    return render_chat(tokenizer, messages)
+
+
+def uses_chat_template(tokenizer: ChatTokenizer | None, use_chat_template: bool) -> bool:
+    """Whether `render_prompt` wraps a question in the chat template (it needs one to)."""
+    return use_chat_template and tokenizer is not None and bool(tokenizer.chat_template)
+
+
+PROMPT_ROW_EXPECTED = (
+    'an object with a non-empty string "prompt" or a non-empty "messages" list of '
+    '{"role": str, "content": str} objects (not both)'
+)
+
+
+def _is_prompt_row(row: Any) -> bool:
+    if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+        return False
+    if "prompt" in row:
+        return isinstance(row["prompt"], str) and bool(row["prompt"])
+    messages = row["messages"]
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
+
+
+def read_prompt_rows(path: str | os.PathLike, limit: int | None = None) -> list[dict[str, Any]]:
+    """Reads a JSONL prompt file: each non-blank line a `prompt` (text) or a `messages` chat.
+
+    What a `prompt` means (a question to render like RL prompts, or raw text) is the
+    encoder's choice (`tlt_jax.data.tokenizer.PromptEncoder`); rows may carry other keys.
+
+    Args:
+      path: the file (the `--prompts` flag of `scripts/generate.py` and `train_drafter.py`).
+      limit: stop after this many rows; None reads them all.
+
+    Returns:
+      The rows, in file order.
+
+    Raises:
+      FileNotFoundError: naming the path.
+      ValueError: naming the file, the line and what a row must be; or an empty file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompts file {path} does not exist")
+    rows: list[dict[str, Any]] = []
+    with path.open() as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path}:{line_number}: not valid JSON ({e}); expected {PROMPT_ROW_EXPECTED}"
+                ) from e
+            if not _is_prompt_row(row):
+                raise ValueError(
+                    f"{path}:{line_number}: expected {PROMPT_ROW_EXPECTED}; got {line.strip()[:80]}"
+                )
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    if not rows:
+        raise ValueError(f"--prompts file {path} has no prompts")
+    return rows
 
 
 class PromptIterator:

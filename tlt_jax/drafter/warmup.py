@@ -2,12 +2,12 @@
 
 Pipeline (TLT's offline EAGLE warm-up, on the policy's own outputs):
 
-1. Render the prompts exactly as the RL job does (tokenizer chat template over question +
-   instruction, `tlt_jax.data.pipeline.render_prompt`): drafter acceptance is sensitive to the
-   prompt prefix.
+1. Encode the prompts exactly as the RL job does (`tlt_jax.data.tokenizer.PromptEncoder`:
+   tokenizer chat template over question + instruction): drafter acceptance is sensitive to
+   the prompt prefix.
 2. Generate responses with the rollout engine (`generate_responses`, the one place that
-   touches the engine's API). Responses are cached in `workdir/responses.jsonl`, so a resumed
-   run skips generation.
+   touches the engine's API), stopping on the RL job's `stop_token_ids`. Responses are cached
+   in `workdir/responses.jsonl`, so a resumed run skips generation.
 3. One policy forward over prompt + response per sample gives the final-norm features.
 4. Train the drafter on packed windows (orbax checkpoints in `workdir/checkpoints`, resumed
    when present), then export an HF-style EAGLE directory, with `hot_vocab.json` (the
@@ -29,6 +29,8 @@ import numpy as np
 import tqdm
 from flax import nnx
 
+from tlt_jax.data.pipeline import DEFAULT_INSTRUCTION, read_prompt_rows
+from tlt_jax.data.tokenizer import PromptEncoder, Tokenizer, stop_token_ids
 from tlt_jax.drafter.data import DrafterBuffer
 from tlt_jax.drafter.export import export_eagle
 from tlt_jax.drafter.hot_vocab import count_tokens, hot_token_ids, save_hot_vocab
@@ -51,7 +53,7 @@ class WarmupConfig:
     prompts: str  # JSONL: each line has "prompt" (question text) or "messages" (chat list)
     workdir: str
     export_dir: str | None = None  # default: workdir/eagle
-    instruction: str | None = None  # None: the RL data pipeline's default instruction
+    instruction: str = DEFAULT_INSTRUCTION  # appended to each `prompt` question
     max_new_tokens: int = 1024
     max_prompts: int | None = None
     temperature: float = 0.0
@@ -70,6 +72,8 @@ class WarmupConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 1")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"max_prompts={self.max_prompts!r} must be >= 1 or None")
+        if not isinstance(self.instruction, str):
+            raise ValueError(f"instruction={self.instruction!r} must be a string ('' for none)")
         if not self.temperature >= 0:
             raise ValueError(f"temperature={self.temperature!r} must be >= 0")
         if self.hot_vocab_size is not None and (
@@ -79,47 +83,15 @@ class WarmupConfig:
                              "or None (full vocabulary)")  # fmt: skip
 
 
-def read_prompt_records(path: str | os.PathLike, limit: int | None = None) -> list[dict]:
-    """JSONL records with a "prompt" string or a "messages" chat list."""
-    records = []
-    with open(path) as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if not isinstance(record.get("prompt"), str) and not isinstance(
-                record.get("messages"), list
-            ):
-                raise ValueError(f"{path}:{line_number} has neither 'prompt' nor 'messages'")
-            records.append(record)
-            if limit is not None and len(records) >= limit:
-                break
-    if not records:
-        raise ValueError(f"{path} holds no prompt records")
-    return records
+def load_prompt_ids(config: WarmupConfig, tokenizer: Tokenizer) -> list[list[int]]:
+    """Token ids of the prompts file, each `prompt` rendered as an RL question.
 
-
-def encode_prompts(tokenizer, records: Sequence[dict], instruction: str | None) -> list[list[int]]:
-    """Token ids of every prompt, rendered the way the RL job renders them.
-
-    A "prompt" record goes through `render_prompt` (chat template over question +
-    instruction); a "messages" record through the chat template as given.
+    Returns:
+      At most `config.max_prompts` prompts' ids, in file order.
     """
-    from tlt_jax.data.pipeline import DEFAULT_INSTRUCTION, render_prompt
-
-    instruction = DEFAULT_INSTRUCTION if instruction is None else instruction
-    out = []
-    for record in records:
-        if "prompt" in record:
-            text = render_prompt(tokenizer, record["prompt"], instruction=instruction)
-        else:
-            text = tokenizer.apply_chat_template(
-                record["messages"], tokenize=False, add_generation_prompt=True
-            )
-        # A rendered chat template already holds its special tokens.
-        templated = bool(getattr(tokenizer, "chat_template", None))
-        out.append(list(tokenizer.encode(text, add_special_tokens=not templated)))
-    return out
+    encode = PromptEncoder(tokenizer, instruction=config.instruction)
+    rows = read_prompt_rows(config.prompts, config.max_prompts)
+    return [list(encode.encode_row(row)) for row in rows]
 
 
 def generate_responses(
@@ -229,14 +201,13 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
                          f"vocab_size={vocab_size}")  # fmt: skip
     workdir = Path(config.workdir).expanduser()
     workdir.mkdir(parents=True, exist_ok=True)
-    records = read_prompt_records(config.prompts, config.max_prompts)
-    prompt_ids = encode_prompts(tokenizer, records, config.instruction)
+    prompt_ids = load_prompt_ids(config, tokenizer)
     cache_path = workdir / "responses.jsonl"
     responses = _cached_responses(cache_path, prompt_ids, config.max_new_tokens)
     if responses is None:
-        stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         responses = generate_responses(
-            model, prompt_ids, max_new_tokens=config.max_new_tokens, stop_ids=stop_ids,
+            model, prompt_ids, max_new_tokens=config.max_new_tokens,
+            stop_ids=stop_token_ids(tokenizer),
             temperature=config.temperature, max_batch_size=config.generate_batch,
             seed=config.seed,
         )  # fmt: skip

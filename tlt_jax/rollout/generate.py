@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tlt_jax.data.pipeline import read_prompt_rows
+from tlt_jax.data.tokenizer import PromptEncoder, stop_token_ids
 from tlt_jax.rollout.engine import (
     DRAFTER_SYNC,
     Completion,
@@ -53,51 +54,6 @@ class GenerateConfig:
                              f"{list(DRAFTER_SYNC)}")  # fmt: skip
 
 
-def read_prompts(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Reads a JSONL file whose lines have `prompt` (raw text) or `messages` (chat list).
-
-    Raises:
-      FileNotFoundError / ValueError naming the file and line of the problem.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--prompts file {path} does not exist")
-    rows = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
-        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
-            raise ValueError(f"{path}:{line_no}: expected an object with `prompt` or `messages`")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"--prompts file {path} has no prompts")
-    return rows
-
-
-def encode_prompt(tokenizer, row: dict[str, Any]) -> list[int]:
-    """Token ids of a `prompt` (raw text) or `messages` (chat template, generation prompt)."""
-    if "messages" in row:
-        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,
-                                            tokenize=True)  # fmt: skip
-        if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(row["prompt"]).input_ids)
-
-
-def stop_ids_of(tokenizer) -> tuple[int, ...]:
-    ids = {tokenizer.eos_token_id}
-    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return tuple(sorted(i for i in ids if i is not None))
-
-
 def completion_record(comp: Completion, tokenizer) -> dict[str, Any]:
     return {
         "index": comp.index,
@@ -113,11 +69,17 @@ def completion_record(comp: Completion, tokenizer) -> dict[str, Any]:
 def build_requests(
     tokenizer, rows: Sequence[dict[str, Any]], config: GenerateConfig
 ) -> list[Request]:
+    """One request per row of `read_prompt_rows`: a `prompt` is raw text, `messages` a chat.
+
+    Prompts are encoded by the project's one `PromptEncoder`, and requests stop on
+    `stop_token_ids`, the ids RL training and the drafter warm-up stop on.
+    """
     sampling = SamplingParams(config.temperature, config.top_p, config.top_k)
-    stops = stop_ids_of(tokenizer)
+    stops = stop_token_ids(tokenizer)
+    encode = PromptEncoder(tokenizer, prompt_kind="text")
     requests = []
     for i, row in enumerate(rows):
-        ids = encode_prompt(tokenizer, row)
+        ids = encode.encode_row(row)
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens; expected a non-empty prompt")
         requests.append(Request(ids, config.max_new_tokens, sampling, stops, config.seed + i))
@@ -128,7 +90,7 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     """Generates for every prompt, writes the JSONL output, returns a summary."""
     from tlt_jax.models import checkpoints
 
-    rows = read_prompts(config.prompts)
+    rows = read_prompt_rows(config.prompts)
     tokenizer = checkpoints.load_tokenizer(config.model)
     requests = build_requests(tokenizer, rows, config)
     model = checkpoints.load_model(config.model, param_dtype=config.dtype, dtype=config.dtype)
