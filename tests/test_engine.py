@@ -95,7 +95,7 @@ def test_no_retrace_in_steady_state(engine):
 def test_decode_cost_follows_context(model):
     eng = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=1024, min_kv_bucket=32))
     eng.generate([Request([1, 2, 3], 10), Request([4, 5], 3)])
-    decode_keys = [k for k in eng._pool if k[0] == "decode"]
+    decode_keys = [k for k in eng.pool.keys() if k[0] == "decode"]
     # Short contexts only ever use the smallest kv bucket, never the 1024 maximum.
     assert {k[2] for k in decode_keys} == {32}
     assert {k[1] for k in decode_keys} <= {1, 2}

@@ -127,8 +127,16 @@ def test_micro_batch_plan_puts_zero_advantage_groups_last():
 
 
 def test_long_tail_share_and_seeds():
-    assert timing.long_tail_share(0.0, [float(t) for t in range(1, 11)]) == pytest.approx(0.1)
-    assert timing.long_tail_share(0.0, [1.0] * 9 + [5.0]) == pytest.approx(0.8)
+    # Steps end at 1, 2, 4, 7, 8 s with 9, 5, 4, 2, 1 running; the last three steps ran at
+    # <= 4 requests (4 -> 7, 7 -> 8 and 2 -> 4: 2 + 3 + 1 = 6 of 8 s), two of them as SD.
+    timeline = [(1.0, 9, "plain"), (2.0, 5, "plain"), (4.0, 4, "plain"), (7.0, 2, "ngram:3,1,4"),
+                (8.0, 1, "eagle:4,4,8")]  # fmt: skip
+    stats = timing.tail_stats(timeline, threshold=4)
+    assert stats["long_tail_share"] == pytest.approx(6 / 8)
+    assert stats["long_tail_s"] == pytest.approx(6.0) and stats["rollout_decode_s"] == 8.0
+    assert stats["sd_tail_s"] == pytest.approx(4.0)
+    assert timing.tail_stats(timeline, threshold=0)["long_tail_share"] == 0.0
+    assert timing.tail_stats([], threshold=4)["long_tail_share"] == 0.0
     words = np.asarray([1, 2], np.uint32)
     np.testing.assert_array_equal(rollout_seeds(words, 3, 8), rollout_seeds(words, 3, 8))
     assert not np.array_equal(rollout_seeds(words, 3, 8), rollout_seeds(words, 4, 8))
@@ -170,7 +178,10 @@ def test_trainer_steps_update_sync_and_feed_the_sink(tmp_path):
     for record in records:
         assert record["micro_batches_trained"] == record["micro_batches_total"] == 2
         assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
-        assert record["skipped"] == 0.0 and 0.0 <= record["long_tail_share"] < 1.0
+        assert record["skipped"] == 0.0
+        # 8 requests, all under the report threshold of a plain run: all of it is "tail".
+        assert record["long_tail_share"] == pytest.approx(1.0)
+        assert record["sd_step_share"] == 0.0 and record["sd_threshold"] == 32
         # The engine's sampling log-probs and the trainer's recompute agree.
         assert record["logprob_diff"] < 1e-4
     changed = [

@@ -27,6 +27,7 @@ from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rollout import engine as engine_lib
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.acceptance import accept_tree
+from tlt_jax.rollout.adaptive import PlainPolicy
 from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams, filtered_logits
 from tlt_jax.rollout.speculative import SpecStrategy
@@ -427,7 +428,7 @@ def engines(aligned):
                           spec_max_batch=1, drafter_sync="lazy")  # fmt: skip
     sd = RolloutEngine(model, config, drafter=drafter)
     plain = RolloutEngine(model, config, drafter=drafter)
-    plain.step_mode = lambda num_running: None  # the hook: plain decoding only
+    plain.step_policy = PlainPolicy()  # the declared seam: plain decoding only
     return sd, plain
 
 
@@ -487,7 +488,7 @@ def test_engine_hot_vocab_matches_plain(engines, aligned):
         sd.set_hot_token_ids(None)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert np.mean(got[1].accepted_lengths) > 1.5
-    assert ("spec_draft", 1, 2, 3, KV_LEN, 32) in sd._pool
+    assert ("spec_draft", 1, 2, 3, KV_LEN, 32) in sd.pool
 
 
 def test_hot_token_ids_rank_by_count():

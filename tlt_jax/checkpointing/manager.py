@@ -3,7 +3,9 @@
 A checkpoint at step k holds, as three items of one orbax step directory:
 - `state`: the `TrainState` pytree (policy params, optimizer state, step, RNG key data);
 - `data`: the prompt iterator's position (`{"epoch", "index"}`, JSON);
-- `config`: the run's `TrainConfig.to_dict()` (JSON), for the record and for resume checks.
+- `config`: the run's `TrainConfig.to_dict()` (JSON), for the record and for resume checks;
+- `extra`: host-side state of the run's other parts (JSON: the SD bandit's reward windows and
+  random stream); checkpoints written before it existed restore with `extra == {}`.
 
 Saves are asynchronous (device arrays are copied to host before `save` returns; files are
 written in the background) and atomic: orbax writes into a temporary directory and renames it
@@ -30,6 +32,7 @@ class Restored:
     state: Any
     data_position: dict[str, int]
     config: dict[str, Any]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class RunCheckpointer:
@@ -51,7 +54,7 @@ class RunCheckpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, data_position: dict[str, int],
-             config: dict[str, Any]) -> bool:  # fmt: skip
+             config: dict[str, Any], extra: dict[str, Any] | None = None) -> bool:  # fmt: skip
         """Starts saving (returns before the files are written when async). False if present."""
         if step in self._manager.all_steps():
             return False
@@ -59,6 +62,7 @@ class RunCheckpointer:
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave({k: int(v) for k, v in data_position.items()}),
             config=ocp.args.JsonSave(config),
+            extra=ocp.args.JsonSave(extra or {}),
         )
         return self._manager.save(step, args=args, force=True)
 
@@ -77,15 +81,14 @@ class RunCheckpointer:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
             like,
         )
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract),
-                data=ocp.args.JsonRestore(),
-                config=ocp.args.JsonRestore(),
-            ),
-        )
-        return Restored(step, restored.state, dict(restored.data), dict(restored.config))
+        items = {"state": ocp.args.StandardRestore(abstract), "data": ocp.args.JsonRestore(),
+                 "config": ocp.args.JsonRestore()}  # fmt: skip
+        has_extra = (self.directory / str(step) / "extra").exists()
+        if has_extra:
+            items["extra"] = ocp.args.JsonRestore()
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        extra = dict(restored.extra) if has_extra else {}
+        return Restored(step, restored.state, dict(restored.data), dict(restored.config), extra)
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk."""

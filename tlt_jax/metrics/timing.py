@@ -32,20 +32,34 @@ class PhaseTimer:
         return out
 
 
-def long_tail_share(start: float, finish_times: Sequence[float], quantile: float = 0.9) -> float:
-    """Share of a rollout's wall time spent after `quantile` of its requests had finished.
+def tail_stats(timeline: Sequence[tuple], threshold: int) -> dict[str, float]:
+    """How much of a rollout ran in its long tail, from the engine's step timeline.
 
-    With n requests, the moment `ceil(quantile * n)` of them are done splits the rollout;
-    the share is (last finish - that moment) / (last finish - start). 0 for an empty rollout.
+    Args:
+      timeline: `EngineStats.timeline`: (seconds since the rollout started, running requests,
+        arm) after every decode step; a step's duration is the time since the previous one.
+      threshold: the tail is every step with at most this many running requests.
+
+    Returns:
+      `long_tail_share` (tail seconds / decode seconds), `long_tail_s`, `rollout_decode_s`
+      (seconds until the last step), and `sd_tail_s`, the tail seconds that ran SD steps.
     """
-    if not finish_times:
-        return 0.0
-    done = np.sort(np.asarray(finish_times, np.float64))
-    k = int(np.ceil(quantile * len(done))) - 1
-    total = done[-1] - start
-    if total <= 0:
-        return 0.0
-    return float((done[-1] - done[max(k, 0)]) / total)
+    if not timeline:
+        return {"long_tail_share": 0.0, "long_tail_s": 0.0, "rollout_decode_s": 0.0,
+                "sd_tail_s": 0.0}  # fmt: skip
+    ends = np.asarray([row[0] for row in timeline], np.float64)
+    running = np.asarray([row[1] for row in timeline])
+    plain = np.asarray([len(row) < 3 or row[2] == "plain" for row in timeline])
+    durations = np.diff(np.concatenate([[0.0], ends]))
+    tail = running <= threshold
+    total = float(ends[-1])
+    tail_s = float(durations[tail].sum())
+    return {
+        "long_tail_share": tail_s / total if total > 0 else 0.0,
+        "long_tail_s": tail_s,
+        "rollout_decode_s": total,
+        "sd_tail_s": float(durations[tail & ~plain].sum()),
+    }
 
 
 def length_stats(lengths: Sequence[int], prefix: str = "response_len") -> dict[str, float]:

@@ -10,6 +10,7 @@ compiles, with a message naming the flag (`rl.group_size=1 ...`) and the allowed
 - `data`: `tlt_jax.data.pipeline.DataConfig`.
 - `optim`: AdamW, gradient clipping, learning-rate schedule.
 - `rollout`: sampling and engine sizes.
+- `spec`: TLT's adaptive speculative rollout (`SpecConfig`).
 - `eval`: held-out evaluation before / after training.
 - `checkpoint`: orbax retention and async saves.
 
@@ -37,6 +38,7 @@ from tlt_jax.models.presets import PRESETS
 from tlt_jax.optim import SCHEDULES
 from tlt_jax.rl.algorithms import AlgorithmConfig
 from tlt_jax.rl.rewards import REWARD_FUNCTIONS, RewardFunction
+from tlt_jax.rollout.adaptive import DRAFT_SOURCES, BanditConfig
 
 TOKENIZERS = ("checkpoint", "byte")
 
@@ -288,6 +290,90 @@ class RolloutConfig:
             _positive_int("rollout", name, getattr(self, name))
 
 
+SPEC_MODES = ("off", "adaptive", "always")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """The `spec` group: TLT's adaptive speculative rollout (DESIGN.md section 4).
+
+    Attributes:
+      mode: `off` (plain decoding), `adaptive` (SD in the tail: after `warmup_steps`
+        consecutive steps with at most `threshold` requests running, the bandit picks SD or
+        plain per step; off again when the batch grows) or `always` (SD at every step, the
+        bandit choosing among SD arms only; for tests and benchmarks).
+      drafter: an HF-EAGLE export (`train_drafter.py`) for EAGLE and hybrid drafts; "" runs
+        model-free (n-gram) drafts only.
+      hot_vocab: draft over the drafter dir's `hot_vocab.json` top ids (0: the full head).
+      draft_sources: comma-separated subset of eagle, ngram, hybrid; `auto`: all three with a
+        drafter, ngram without.
+      attention_impl: `xla` or `pallas` for the SD programs.
+      threshold: most running requests SD is tried at; 0 takes it from `calibration_file`,
+        or calibrates at start (`tlt_jax.rollout.calibrate`) when that is "".
+      calibration_file: JSON written by `scripts/calibrate_spec.py`.
+      warmup_steps: N consecutive steps at or under the threshold before SD turns on.
+      bucket_bounds: BEG bucket lower bounds t_i (buckets [t_i, t_{i+1})).
+      strategies: per bucket, '|'-separated 'depth,topk,verify' strategies of one verify budget.
+      epsilon / window: the bandit's exploration probability and reward window.
+    """
+
+    mode: str = "off"
+    drafter: str = ""
+    hot_vocab: int = 2048
+    draft_sources: str = "auto"
+    attention_impl: str = "xla"
+    threshold: int = 0
+    calibration_file: str = ""
+    warmup_steps: int = 10
+    bucket_bounds: tuple[int, ...] = (1, 2, 5, 9)
+    strategies: tuple[str, ...] = ("4,1,5", "3,1,4", "2,1,3", "1,1,2")
+    epsilon: float = 0.1
+    window: int = 300
+
+    def __post_init__(self):
+        object.__setattr__(self, "bucket_bounds", tuple(int(b) for b in self.bucket_bounds))
+        object.__setattr__(self, "strategies", tuple(str(s) for s in self.strategies))
+        _require(self.mode in SPEC_MODES,
+                 f"spec.mode={self.mode!r} is not one of {list(SPEC_MODES)}")  # fmt: skip
+        _positive_int("spec", "hot_vocab", self.hot_vocab, minimum=0)
+        _positive_int("spec", "threshold", self.threshold, minimum=0)
+        sources = self.sources(has_drafter=True)
+        _require(
+            all(src in DRAFT_SOURCES for src in sources) and sources,
+            f"spec.draft_sources={self.draft_sources!r} must be 'auto' or a comma-separated "
+            f"subset of {list(DRAFT_SOURCES)}",
+        )
+        if not self.drafter:
+            needs = [src for src in self.sources(has_drafter=False) if src != "ngram"]
+            _require(not needs, f"spec.draft_sources={self.draft_sources!r} needs a drafter "
+                     f"for {needs}; set spec.drafter to an HF-EAGLE export")  # fmt: skip
+        from tlt_jax.models.transformer import ATTENTION_IMPLS
+
+        _require(self.attention_impl in ATTENTION_IMPLS,
+                 f"spec.attention_impl={self.attention_impl!r} is not one of "
+                 f"{list(ATTENTION_IMPLS)}")  # fmt: skip
+        self.bandit(threshold=max(self.threshold, 1), has_drafter=bool(self.drafter))
+
+    def sources(self, has_drafter: bool) -> tuple[str, ...]:
+        if self.draft_sources == "auto":
+            return DRAFT_SOURCES if has_drafter else ("ngram",)
+        return tuple(s.strip() for s in self.draft_sources.split(",") if s.strip())
+
+    def bandit(self, threshold: int, has_drafter: bool, seed: int = 0) -> BanditConfig:
+        """The step policy's settings at `threshold` (validated: errors name `spec.*`)."""
+        return BanditConfig(
+            threshold=threshold,
+            warmup_steps=0 if self.mode == "always" else self.warmup_steps,
+            bucket_bounds=self.bucket_bounds,
+            strategies=tuple(tuple(s.split("|")) for s in self.strategies),
+            sources=self.sources(has_drafter),
+            epsilon=self.epsilon,
+            window=self.window,
+            seed=seed,
+            include_plain=self.mode != "always",
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """The `eval` group: greedy accuracy on the held-out split (`data.eval_split`).
@@ -325,6 +411,7 @@ _GROUPS: dict[str, type] = {
     "data": DataConfig,
     "optim": OptimConfig,
     "rollout": RolloutConfig,
+    "spec": SpecConfig,
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
 }
@@ -340,6 +427,7 @@ class TrainConfig:
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     rollout: RolloutConfig = RolloutConfig()
+    spec: SpecConfig = SpecConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     total_steps: int = 100
@@ -387,6 +475,8 @@ class TrainConfig:
         out = dataclasses.asdict(self)
         out["rl"].update(out["rl"].pop("algorithm"))
         out["model"]["mesh_shape"] = list(self.model.mesh_shape)
+        out["spec"]["bucket_bounds"] = list(self.spec.bucket_bounds)
+        out["spec"]["strategies"] = list(self.spec.strategies)
         return out
 
 

@@ -9,6 +9,8 @@ state is donated to every update, so each direction is an explicit jitted copy
 from __future__ import annotations
 
 import dataclasses
+import logging
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,10 +26,16 @@ from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import Transformer, abstract_state, init_model
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.rl import step as step_lib
-from tlt_jax.rl.config import ModelSettings, TrainConfig
+from tlt_jax.programs import ProgramPool
+from tlt_jax.rl.config import ModelSettings, SpecConfig, TrainConfig
+from tlt_jax.rollout import calibrate as calibrate_lib
+from tlt_jax.rollout.adaptive import AdaptivePolicy, PlainPolicy, StepPolicy
 from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
+from tlt_jax.rollout.speculative import SpecStrategy
 
 MESH_AXES = ("data", "tensor")
+REPORT_THRESHOLD = 32  # TLT's default SD threshold; where plain runs count their long tail
+log = logging.getLogger(__name__)
 
 
 def build_mesh(settings: ModelSettings) -> Mesh | None:
@@ -95,15 +103,77 @@ def build_tokenizer(settings: ModelSettings):
     return checkpoints.load_tokenizer(settings.name)
 
 
-def build_engine(config: TrainConfig, model: Transformer) -> RolloutEngine:
-    """The rollout engine sized for the run's prompts and its longest responses."""
+def load_drafter(spec: SpecConfig, target: ModelConfig):
+    """(drafter, hot token ids) of `spec.drafter` (an HF-EAGLE export), or (None, None).
+
+    The drafter takes the policy's dtypes; the hot vocabulary is the export's
+    `hot_vocab.json` top `spec.hot_vocab` ids when both are there.
+    """
+    if not spec.drafter:
+        return None, None
+    from tlt_jax.drafter.export import load_eagle
+    from tlt_jax.drafter.hot_vocab import HOT_VOCAB_FILE, load_hot_vocab
+
+    path = Path(spec.drafter)
+    if not path.is_dir():
+        raise FileNotFoundError(f"spec.drafter={spec.drafter!r} is not a directory (expected an "
+                                "HF-EAGLE export from scripts/train_drafter.py)")  # fmt: skip
+    drafter = load_eagle(path, dtype=target.dtype, param_dtype=target.param_dtype)
+    hot_file = path / HOT_VOCAB_FILE
+    hot = None
+    if spec.hot_vocab and hot_file.is_file():
+        hot = load_hot_vocab(hot_file, spec.hot_vocab, target.vocab_size)
+    return drafter, hot
+
+
+def resolve_threshold(config: TrainConfig, engine: RolloutEngine, workdir: Path | None = None
+                      ) -> int:  # fmt: skip
+    """The SD threshold: `spec.threshold`, else the calibration file's, else measured now
+    (written to `workdir/spec_calibration.json` and logged); the engine's largest batch for
+    `spec.mode == "always"`. With `spec.mode == "off"` nothing is measured: the threshold
+    (which then only sets where `long_tail_share` is counted) falls back to
+    `REPORT_THRESHOLD`, the paper's default."""
+    spec = config.spec
+    if spec.mode == "always":
+        return engine.config.max_batch_size
+    if spec.threshold:
+        return spec.threshold
+    if spec.calibration_file:
+        return calibrate_lib.load_calibration(spec.calibration_file).threshold
+    if spec.mode == "off":
+        return REPORT_THRESHOLD
+    verify = min(SpecStrategy.parse(s.split("|")[0]).verify_tokens for s in spec.strategies)
+    result = calibrate_lib.calibrate(engine, verify_tokens=verify, seed=config.seed,
+                                     temperature=config.rollout.temperature)  # fmt: skip
+    log.info("SD calibration (%.1f s): threshold %d, verify/plain cost per batch %s",
+             result.seconds, result.threshold, result.to_dict()["cost_ratio"])  # fmt: skip
+    if workdir is not None:
+        result.save(Path(workdir) / "spec_calibration.json")
+    return result.threshold
+
+
+def build_step_policy(config: TrainConfig, threshold: int, has_drafter: bool) -> StepPolicy:
+    """`PlainPolicy` for `spec.mode == "off"` or a zero threshold, else TLT's
+    `AdaptivePolicy` (BEG-MAB) seeded from the run's seed."""
+    if config.spec.mode == "off" or threshold <= 0:
+        return PlainPolicy()
+    return AdaptivePolicy(config.spec.bandit(threshold, has_drafter, seed=config.seed))
+
+
+def build_engine(config: TrainConfig, model: Transformer, *, pool: ProgramPool | None = None
+                 ) -> RolloutEngine:  # fmt: skip
+    """The rollout engine sized for the run's prompts and its longest responses, with the
+    `spec` group's drafter (if any) and a plain step policy (the trainer installs the
+    adaptive one once the threshold is known: `resolve_threshold`, `build_step_policy`)."""
     max_new = max(config.rollout.max_new_tokens, config.eval.max_new_tokens)
+    drafter, hot = load_drafter(config.spec, model.config)
     return RolloutEngine(model, EngineConfig(
         max_batch_size=config.rollout.max_batch_size,
         max_seq_len=config.rollout.max_prompt_len + max_new,
         max_prefill_batch=config.rollout.max_prefill_batch,
         min_prompt_bucket=config.rollout.min_prompt_bucket,
-    ))  # fmt: skip
+        spec_attention_impl=config.spec.attention_impl,
+    ), drafter=drafter, hot_token_ids=hot, pool=pool)  # fmt: skip
 
 
 def build_encoder(config: TrainConfig, tokenizer) -> PromptEncoder:

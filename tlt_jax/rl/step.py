@@ -34,6 +34,7 @@ import optax
 from flax import nnx, struct
 
 from tlt_jax import optim
+from tlt_jax.programs import abstract_like
 from tlt_jax.models.transformer import KVCache
 from tlt_jax.rl import algorithms
 from tlt_jax.rl.config import OptimConfig
@@ -309,57 +310,6 @@ def plan_micro_batches(has_signal: np.ndarray, group_size: int, micro_batch_size
         groups = sorted(range(start, start + per_mini), key=lambda g: not has_signal[g])
         out.append([groups[i : i + per_micro] for i in range(0, per_mini, per_micro)])
     return out
-
-
-@dataclasses.dataclass
-class CompiledInfo:
-    key: tuple
-    seconds: float
-    memory: dict[str, int]
-
-
-class ProgramPool:
-    """Programs compiled ahead of time, one per (name, static shape) key."""
-
-    def __init__(self, sharding_context: Callable[[], Any] | None = None):
-        self._programs: dict[tuple, Any] = {}
-        self.compiled: list[CompiledInfo] = []
-        self._context = sharding_context
-
-    @property
-    def compile_count(self) -> int:
-        return len(self.compiled)
-
-    @property
-    def compile_seconds(self) -> float:
-        return sum(c.seconds for c in self.compiled)
-
-    def get(self, key: tuple, fn: Callable, example_args: Callable[[], tuple],
-            donate: tuple[int, ...] = ()):  # fmt: skip
-        """The compiled program for `key`; the first time, lowers `fn` on `example_args()`
-        (arrays or `ShapeDtypeStruct`s, built only then)."""
-        program = self._programs.get(key)
-        if program is None:
-            start = time.perf_counter()
-            jitted = jax.jit(fn, donate_argnums=donate)
-            if self._context is not None:
-                with self._context():
-                    program = jitted.lower(*example_args()).compile()
-            else:
-                program = jitted.lower(*example_args()).compile()
-            self.compiled.append(
-                CompiledInfo(key, time.perf_counter() - start, memory_report(program))
-            )
-            self._programs[key] = program
-        return program
-
-
-def abstract_like(tree):
-    """`ShapeDtypeStruct`s (shape, dtype, sharding) of a pytree of arrays."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        tree,
-    )
 
 
 def abstract_accumulator(params) -> dict:

@@ -9,6 +9,13 @@ against each phase.
 The log-prob recompute is the trainer's own forward over every sequence; it also yields the
 policy's final-norm features, which go to an optional `FeatureSink` (the drafter buffer).
 
+Rollouts are TLT's adaptive rollouts when `spec.mode != "off"`: the engine's step policy turns
+speculative decoding on in the long tail and a bandit picks the draft source and strategy per
+batch bucket (`tlt_jax.rollout.adaptive`); the engine and the trainer compile into one program
+pool. Each step's record says what TLT did: the share of decode steps that ran SD, acceptance
+length per draft source, arm choices per batch bucket, and the rollout time spent with at
+most `threshold` requests running (`long_tail_share`).
+
 Determinism: the request seeds of step k are a function of the run's RNG key (from `seed`,
 checkpointed) and k only, and the data iterator's position is checkpointed, so a run resumed
 from step k's checkpoint repeats the uninterrupted run's steps k + 1, ... exactly (CPU).
@@ -34,6 +41,7 @@ from tlt_jax.metrics.plots import write_plots
 from tlt_jax.metrics.progress import progress_bar
 from tlt_jax.metrics.writer import MetricsWriter, read_metrics
 from tlt_jax.parallel import sharding as sharding_lib
+from tlt_jax.programs import ProgramPool, abstract_like
 from tlt_jax.rl import evaluation, policy
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import compute_advantages
@@ -107,7 +115,12 @@ class Trainer:
         self.tokenizer = tokenizer if tokenizer is not None else policy.build_tokenizer(cfg.model)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self.encode = policy.build_encoder(cfg, self.tokenizer)
-        self.engine = policy.build_engine(cfg, model)
+        context = None
+        if self.mesh is not None:
+            rules = sharding_lib.rules_for("train")
+            context = lambda: sharding_lib.use_sharding(self.mesh, rules)  # noqa: E731
+        self.pool = ProgramPool(context)  # the trainer's and the engine's programs
+        self.engine = policy.build_engine(cfg, model, pool=self.pool)
         self.graphdef = self.engine.graphdef
         self.reward_fn = resolve_reward_fn(cfg.rl.reward_fn)
         self.sampling = SamplingParams(
@@ -125,11 +138,6 @@ class Trainer:
             params = self._to_train(self.engine.params)
         init = jax.jit(lambda p: step_lib.init_train_state(p, self.optimizer, cfg.seed))
         self.state: step_lib.TrainState = init(params)
-        context = None
-        if self.mesh is not None:
-            rules = sharding_lib.rules_for("train")
-            context = lambda: sharding_lib.use_sharding(self.mesh, rules)  # noqa: E731
-        self.pool = step_lib.ProgramPool(context)
 
         self.checkpointer = RunCheckpointer(
             self.workdir / "checkpoints", max_to_keep=cfg.checkpoint.max_to_keep,
@@ -146,6 +154,11 @@ class Trainer:
                 log.warning("resuming step %d with changed config groups %s", restored.step,
                             sorted(changed))  # fmt: skip
             self.engine.update_params(self._to_rollout(self.state.params))
+        self.threshold = policy.resolve_threshold(cfg, self.engine, self.workdir)
+        self.engine.step_policy = policy.build_step_policy(
+            cfg, self.threshold, self.engine.drafter_params is not None)
+        if restored is not None and restored.extra.get("bandit"):
+            self.engine.step_policy.load_state_dict(restored.extra["bandit"])
         self.step_count = int(jax.device_get(self.state.step))
         self._rng_words = np.asarray(jax.device_get(self.state.rng))
         self.writer = MetricsWriter(self.workdir)
@@ -165,8 +178,8 @@ class Trainer:
         s, t = batch.prompt_tokens_PxS.shape[1], batch.response_tokens_BxT.shape[1]
         b = batch.response_tokens_BxT.shape[0]
         temperature = float(cfg.rollout.temperature)
-        params = step_lib.abstract_like(self.state.params)
-        batch_spec = step_lib.abstract_like(batch)
+        params = abstract_like(self.state.params)
+        batch_spec = abstract_like(batch)
 
         def loss_inputs():
             per_token = jax.ShapeDtypeStruct((b, t), jnp.float32)
@@ -192,7 +205,7 @@ class Trainer:
 
     def _zero_accumulator(self) -> dict:
         zeros = self.pool.get(("zeros",), step_lib.zero_accumulator,
-                              lambda: (step_lib.abstract_like(self.state.params),))  # fmt: skip
+                              lambda: (abstract_like(self.state.params),))  # fmt: skip
         return zeros(self.state.params)
 
     def _apply_program(self):
@@ -202,7 +215,7 @@ class Trainer:
         # The accumulator is not donated: no output has its shape, so XLA could not reuse it.
         return self.pool.get(
             ("apply",), fn,
-            lambda: (step_lib.abstract_like(self.state),
+            lambda: (abstract_like(self.state),
                      step_lib.abstract_accumulator(self.state.params)),
             donate=(0,),
         )  # fmt: skip
@@ -252,6 +265,9 @@ class Trainer:
                             seed=int(seeds[i * g + j]))
                     for i, prompt in enumerate(prompts) for j in range(g)]  # fmt: skip
 
+        stats = self.engine.stats
+        spec_before = (stats.spec_steps, stats.decode_steps, dict(stats.spec_rows_by_source),
+                       dict(stats.spec_tokens_by_source))  # fmt: skip
         with timer.phase("rollout"):
             completions = self.engine.generate(requests, progress=self.progress)
         with timer.phase("reward"):
@@ -316,8 +332,8 @@ class Trainer:
             "truncated_share": float(np.mean([c.finish_reason == "length" for c in completions])),
             "generated_tokens": generated,
             "tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0,
-            "long_tail_share": timing.long_tail_share(
-                completions[0].submit_time, [c.finish_time for c in completions]),
+            **timing.tail_stats(stats.timeline, self.threshold),
+            **self._spec_metrics(spec_before),
             "logprob_diff": float(np.mean(logprob_diffs)) if logprob_diffs else 0.0,
             "reward_errors": scored.num_errors,
             "reward_timeouts": scored.num_timeouts,
@@ -329,6 +345,24 @@ class Trainer:
             "response_lengths": lengths,
         }  # fmt: skip
         return record
+
+    def _spec_metrics(self, before) -> dict[str, Any]:
+        """What TLT did in this step's rollout (differences of the engine's counters)."""
+        stats = self.engine.stats
+        spec = stats.spec_steps - before[0]
+        plain = stats.decode_steps - before[1]
+        out: dict[str, Any] = {
+            "sd_step_share": spec / (spec + plain) if spec + plain else 0.0,
+            "sd_steps": spec,
+            "sd_threshold": self.threshold,
+        }
+        for source in sorted(stats.spec_rows_by_source):
+            rows = stats.spec_rows_by_source[source] - before[2].get(source, 0)
+            tokens = stats.spec_tokens_by_source[source] - before[3].get(source, 0)
+            if rows:
+                out[f"accept_len_{source}"] = tokens / rows
+        out["sd_choices"] = self.engine.step_policy.choice_counts()
+        return out
 
     def _feed_sink(self, batch, prompt_features, features, step: int) -> None:
         g = self.config.rl.group_size
@@ -427,8 +461,9 @@ class Trainer:
         return records
 
     def save(self) -> None:
+        extra = {"bandit": self.engine.step_policy.state_dict()}
         self.checkpointer.save(self.step_count, self.state, self.iterator.state(),
-                               self.config.to_dict())  # fmt: skip
+                               self.config.to_dict(), extra)  # fmt: skip
 
     def plot(self) -> list[Path]:
         return write_plots(read_metrics(self.workdir), self.workdir / "plots")

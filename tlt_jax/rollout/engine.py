@@ -12,12 +12,16 @@ Every device program is compiled ahead of time once per static shape key and kep
 engine's executable pool; steady-state generation never traces. `EngineStats` reports the
 compile count and compile seconds.
 
-With a drafter and a `SpecStrategy` a step is plain or speculative (`step_mode`; SD steps in
-`spec_engine.py`, programs in `speculative.py`). SD programs share the pool: drafts keyed by
-(batch, k, depth, kv, hot vocabulary size), trees by (batch, k, depth, verify tokens), verifies
-by (batch, verify tokens, kv) only. Prefill also runs the drafter over the prompt. An optional
+What each decode step runs is the engine's `step_policy` (`tlt_jax.rollout.adaptive`): plain
+decoding or a speculative step (`StepChoice`: an EAGLE, n-gram or hybrid draft tree of a
+`SpecStrategy`; host side in `spec_engine.py`, programs in `speculative.py`). The policy is told
+every step's emitted tokens and host time, which is how TLT's bandit learns (no extra sync: the
+engine reads each step's tokens anyway). SD programs share the pool: drafts keyed by (batch,
+k, depth, kv, hot vocabulary size), trees by (batch, k, depth, verify tokens), verifies by
+(batch, verify tokens, kv) only. Prefill also runs the drafter over the prompt. An optional
 hot vocabulary (`hot_token_ids`) restricts the draft levels' LM head to frequent tokens;
-verification keeps the full vocabulary.
+verification keeps the full vocabulary. The pool (`tlt_jax.programs.ProgramPool`) can be
+shared with the trainer: one pool, one compile report.
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ from flax import nnx, struct
 
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import KVCache, Transformer, write_kv
+from tlt_jax.programs import ProgramPool
 from tlt_jax.rollout import speculative
+from tlt_jax.rollout.adaptive import FixedPolicy, PlainPolicy, StepChoice, StepPolicy, arm_name
 from tlt_jax.rollout.sampling import SamplingParams, choose_tokens
-from tlt_jax.rollout.spec_engine import SpeculativeSteps, check_drafter_fits, check_spec_settings
+from tlt_jax.rollout.spec_engine import (SpecRunner, check_drafter_fits, check_hot_token_ids,
+                                         check_spec_settings)  # fmt: skip
 from tlt_jax.rollout.speculative import DraftState, SpecStrategy
 
 DRAFTER_SYNC = ("lazy", "eager")
@@ -164,9 +171,14 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     generated_tokens: int = 0
-    # (wall time since generate() started, running requests) after every decode step.
-    timeline: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    # (wall time since generate() started, running requests, arm) after every decode step;
+    # the arm is "plain" or the step's `StepChoice` as text ("ngram:4,1,5").
+    timeline: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
     spec_steps: int = 0
+    # Per draft source: running rows of its SD steps and the tokens they emitted (their ratio
+    # is the source's acceptance length).
+    spec_rows_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
+    spec_tokens_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
     # Drafter catch-ups when SD (re)starts after plain steps: calls, positions recomputed
     # (one target forward plus one drafter layer each) and their wall time, waited for.
     spec_switch_count: int = 0
@@ -332,23 +344,31 @@ class _Running:
         return len(self.request.prompt_ids) + len(self.completion.token_ids) - 1
 
 
-class RolloutEngine(SpeculativeSteps):
+class RolloutEngine:
     """Generates completions for many requests with continuous batching.
 
-    The engine owns the decode state and an executable pool; the policy's weights are a
+    The engine owns the decode state and uses an executable pool; the policy's weights are a
     separate pytree swapped through `update_params` (checked: same structure, shapes, dtypes
-    and shardings), so a weight sync never recompiles.
+    and shardings), so a weight sync never recompiles. So are the drafter's
+    (`update_drafter_params`).
     """
 
     def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(),
                  drafter: Drafter | None = None,
-                 hot_token_ids: Sequence[int] | np.ndarray | None = None):  # fmt: skip
+                 hot_token_ids: Sequence[int] | np.ndarray | None = None, *,
+                 step_policy: StepPolicy | None = None, pool: ProgramPool | None = None,
+                 ngram_index=None):  # fmt: skip
         """
         Args:
           model: the policy.
           config: static sizes and the SD settings.
-          drafter: an EAGLE drafter of this policy (needed for `config.spec_strategy`).
+          drafter: an EAGLE drafter of this policy (needed for EAGLE and hybrid drafts).
           hot_token_ids: optional hot vocabulary for drafting (`set_hot_token_ids`).
+          step_policy: what each decode step runs (default: `config.spec_strategy` with the
+            drafter whenever at most `config.spec_max_batch` requests run, else plain).
+          pool: the executable pool to compile into (default: the engine's own).
+          ngram_index: the model-free draft index (default: a fresh `NgramIndex` when the step
+            policy can choose n-gram or hybrid drafts).
         """
         self.model_config = model.config
         self.config = config
@@ -364,14 +384,78 @@ class RolloutEngine(SpeculativeSteps):
             check_drafter_fits(model.config, drafter.config)
         self.drafter_config = None if drafter is None else drafter.config
         self.drafter_params = None if drafter is None else drafter.params_dict()
-        self.hot_token_ids = None
-        if hot_token_ids is not None:
-            self.set_hot_token_ids(hot_token_ids)
         self.graphdef, self.params = nnx.split(model)
         self.stats = EngineStats()
-        self._pool: dict[tuple, Callable] = {}
+        self.pool = pool if pool is not None else ProgramPool()
+        self.ngram = ngram_index
+        self._policy: StepPolicy = PlainPolicy()
+        self.hot_token_ids = None
+        if step_policy is None and drafter is not None and config.spec_strategy is not None:
+            step_policy = FixedPolicy(StepChoice(config.spec_strategy, "eagle"),
+                                      config.spec_max_batch)  # fmt: skip
+        self.step_policy = step_policy if step_policy is not None else PlainPolicy()
+        if hot_token_ids is not None:
+            self.set_hot_token_ids(hot_token_ids)
+        self.spec = SpecRunner(config, self.graphdef, self.drafter_config, self.stats,
+                               self._program, self.ngram)  # fmt: skip
         self.state = DecodeState.create(model.config, config.max_batch_size, config.max_seq_len,
                                         self.drafter_config)  # fmt: skip
+
+    # -- step policy and drafts ------------------------------------------------------------
+
+    @property
+    def step_policy(self) -> StepPolicy:
+        return self._policy
+
+    @step_policy.setter
+    def step_policy(self, policy: StepPolicy) -> None:
+        """Sets what decode steps run; checks this engine can run every choice it may make."""
+        choices = list(policy.choices())
+        for choice in choices:
+            if choice.needs_drafter and self.drafter_params is None:
+                raise ValueError(f"step policy choice {choice} needs a drafter; this engine has "
+                                 "none (RolloutEngine(model, config, drafter=...))")  # fmt: skip
+        topk = max((c.strategy.topk for c in choices if c.needs_drafter), default=0)
+        if self.hot_token_ids is not None and self.hot_token_ids.shape[0] < topk:
+            raise ValueError(f"step policy needs topk={topk} > the hot vocabulary size "
+                             f"{self.hot_token_ids.shape[0]}")  # fmt: skip
+        if any(c.needs_ngram for c in choices) and self.ngram is None:
+            from tlt_jax.rollout.ngram import NgramIndex
+
+            self.ngram = NgramIndex()
+            if hasattr(self, "spec"):
+                self.spec.ngram = self.ngram
+        self._policy = policy
+
+    def set_hot_token_ids(self, hot_token_ids) -> None:
+        """Drafts among these token ids only (None: the full vocabulary).
+
+        The draft levels' LM head becomes the live head's columns of these U tokens (see
+        `tlt_jax.drafter.hot_vocab`); verification keeps the full vocabulary, so outputs are
+        unchanged. A new size compiles new draft programs; new ids of the same size do not.
+
+        Raises:
+          ValueError: if the ids are not a 1-D list of distinct ids in [0, vocab) with at
+            least the step policy's largest EAGLE top-k entries.
+        """
+        topk = max((c.strategy.topk for c in self.step_policy.choices() if c.needs_drafter),
+                   default=1)  # fmt: skip
+        self.hot_token_ids = check_hot_token_ids(hot_token_ids, self.model_config.vocab_size,
+                                                 topk)  # fmt: skip
+
+    def update_drafter_params(self, params) -> None:
+        """Swaps in new drafter weights (`Drafter.params_dict()` layout), checked like the
+        policy's (structure, shapes, dtypes, shardings).
+
+        Drafter caches of running requests keep what the old weights computed; later SD steps
+        extend them with the new weights (speculation stays lossless either way).
+        """
+        from tlt_jax.rl.weight_sync import check_compatible
+
+        if self.drafter_params is None:
+            raise ValueError("update_drafter_params: this engine was built without a drafter")
+        check_compatible(self.drafter_params, params)
+        self.drafter_params = params
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -385,13 +469,12 @@ class RolloutEngine(SpeculativeSteps):
     # -- executable pool -------------------------------------------------------------------
 
     def _program(self, key: tuple, fn: Callable, *args, donate: tuple[int, ...] = ()):
-        program = self._pool.get(key)
-        if program is None:
-            start = time.perf_counter()
-            program = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-            self.stats.compile_seconds += time.perf_counter() - start
-            self.stats.compile_count += 1
-            self._pool[key] = program
+        if key in self.pool:
+            return self.pool.get(key, fn, lambda: args, donate)
+        before = self.pool.compile_seconds
+        program = self.pool.get(key, fn, lambda: args, donate, sharded=False)
+        self.stats.compile_seconds += self.pool.compile_seconds - before
+        self.stats.compile_count += 1
         return program
 
     def _run_prefill(self, batch: list[_Running], slots: list[int]) -> tuple[np.ndarray, ...]:
@@ -491,6 +574,8 @@ class RolloutEngine(SpeculativeSteps):
         done: list[Completion | None] = [None] * len(requests)
         bar = _progress_bar(len(requests), progress)
         self.stats.timeline = []
+        policy = self.step_policy
+        policy.begin()
         while queue or running:
             # Admit queued requests into free slots, one prefill per group.
             while queue and len(running) < cfg.max_batch_size:
@@ -502,28 +587,52 @@ class RolloutEngine(SpeculativeSteps):
                 for run, tok, lp in zip(batch, tokens, logprobs, strict=False):
                     run.completion.first_token_time = now
                     running.append(run)
+                    if self.ngram is not None:
+                        self.ngram.start(run.index, run.request.prompt_ids,
+                                         run.request.prompt_ids)  # fmt: skip
                     self._emit(run, int(tok), float(lp))
                 running = self._retire(running, done, now, bar)
             if not running:
                 continue
             max_len = max(r.cache_len for r in running)
-            strategy = self.step_mode(len(running))
-            if strategy is None:
+            n = len(running)
+            choice = policy.choose(n)
+            dispatched = time.perf_counter()
+            if choice is None:
                 tokens, logprobs = self._run_decode(running, max_len)
                 now = time.perf_counter()
+                emitted = n
                 for i, run in enumerate(running):
                     self._emit(run, int(tokens[i]), float(logprobs[i]))
             else:
-                self._spec_step(running, max_len, strategy)
+                emitted = self._spec_step(running, max_len, choice)
                 now = time.perf_counter()
-            self.stats.timeline.append((now - start, len(running)))
+            policy.record(choice, n, emitted, now - dispatched)
+            self.stats.timeline.append((now - start, n, arm_name(choice)))
             running = self._retire(running, done, now, bar)
         if bar is not None:
             bar.close()
         return done  # type: ignore[return-value]
 
+    def _spec_step(self, running: list[_Running], max_len: int, choice: StepChoice) -> int:
+        """One SD step; emits each request's accepted run (trimmed at its stop tokens and
+        `max_new_tokens`); returns the tokens the step produced before trimming."""
+        self.state, result = self.spec.step(choice, self.params, self.drafter_params,
+                                            self.hot_token_ids, self.state, running, max_len)
+        for i, run in enumerate(running):
+            count = int(result.counts[i])
+            run.completion.accepted_lengths.append(count)
+            for j in range(count):
+                self._emit(run, int(result.tokens[i, j]), float(result.logprobs[i, j]))
+                if run.completion.finish_reason:
+                    break  # the rest of the run is dropped with the finished request
+            run.draft_len = run.cache_len
+        return int(result.counts[: len(running)].sum())
+
     def _emit(self, run: _Running, token: int, logprob: float) -> None:
         comp = run.completion
+        if self.ngram is not None:
+            self.ngram.extend(run.index, (token,))
         comp.token_ids.append(token)
         comp.logprobs.append(logprob)
         self.stats.generated_tokens += 1
@@ -542,6 +651,8 @@ class RolloutEngine(SpeculativeSteps):
                 continue
             run.completion.finish_time = now
             done[run.index] = run.completion
+            if self.ngram is not None:
+                self.ngram.finish(run.index)
             last = len(running) - 1
             if i != last:
                 tail = running[last]

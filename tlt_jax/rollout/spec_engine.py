@@ -1,15 +1,23 @@
-"""The rollout engine's speculative-decoding steps (host side), mixed into `RolloutEngine`.
+"""Host side of the rollout engine's speculative-decoding steps.
 
-Per step the engine asks `step_mode(num_running)` for a `SpecStrategy` (None: plain decoding).
-An SD step first brings every running request's drafter in sync (`_sync_drafter`: the switch
-cost after plain steps), then runs the draft, tree and verify programs of `speculative.py` from
-the engine's executable pool and emits each request's accepted tokens, trimmed at its stop tokens
-and `max_new_tokens`. `Completion.accepted_lengths` gets the step's count before trimming (the
-acceptance length the adaptive strategy selection rewards).
+`SpecRunner` runs one SD step over the engine's running requests for a `StepChoice`: it first
+brings every running request's drafter in sync (`sync_drafter`: the switch cost after lazy
+plain steps), builds the step's verification tree from its source, and runs the verify program:
+
+- "eagle": the drafter's EAGLE-2 candidates and tree (`draft_program`, `tree_program`), on device.
+- "ngram": a tree of suffix-match continuations from the engine's `NgramIndex` (host, numpy).
+- "hybrid": the EAGLE tree with n-gram chains merged in within the verify budget.
+
+All three are checked by the same verify program and the same acceptance code, so every source
+is lossless by construction. Programs come from the engine's `ProgramPool`: drafts keyed by
+(batch, k, depth, kv, hot vocabulary size), trees by (batch, k, depth, verify tokens) and
+verifies by (batch, verify tokens, kv, greedy, drafter) only, shared by every strategy and
+source with that verify budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -22,6 +30,8 @@ import numpy as np
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import ATTENTION_IMPLS
 from tlt_jax.rollout import speculative
+from tlt_jax.rollout.adaptive import StepChoice
+from tlt_jax.rollout.draft_tree import DraftTree
 from tlt_jax.rollout.speculative import SpecStrategy
 
 
@@ -48,136 +58,151 @@ def check_spec_settings(strategy, max_batch, attention_impl) -> None:
                          f"{list(ATTENTION_IMPLS)}")  # fmt: skip
 
 
+def check_hot_token_ids(hot_token_ids, vocab: int, min_size: int) -> jax.Array | None:
+    """The draft head's vocabulary as a device array (None: the full vocabulary).
+
+    Raises:
+      ValueError: if the ids are not a 1-D list of distinct ids in [0, vocab) with at least
+        `min_size` (the largest configured top-k) entries.
+    """
+    if hot_token_ids is None:
+        return None
+    ids = np.asarray(hot_token_ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"hot_token_ids must be a non-empty 1-D integer array; got shape "
+                         f"{ids.shape} dtype {ids.dtype}")  # fmt: skip
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"hot_token_ids hold ids outside [0, {vocab}): min {ids.min()}, "
+                         f"max {ids.max()}")  # fmt: skip
+    if np.unique(ids).size != ids.size:
+        raise ValueError("hot_token_ids hold duplicate ids")
+    if ids.size < min_size:
+        raise ValueError(f"hot_token_ids has {ids.size} ids; the step policy's strategies "
+                         f"need at least topk={min_size}")  # fmt: skip
+    return jnp.asarray(ids, jnp.int32)
+
+
 def _bucket(value: int, buckets) -> int:
     return next(b for b in buckets if value <= b)
 
 
-class SpeculativeSteps:
-    """SD methods of `RolloutEngine`; they use the engine attributes declared below."""
+@dataclasses.dataclass
+class SpecResult:
+    """One SD step's output for the running rows (host arrays)."""
 
-    config: Any  # EngineConfig
-    graphdef: Any
-    params: Any
-    drafter_config: ModelConfig | None
-    drafter_params: Any  # DrafterParams or None
-    state: Any  # DecodeState
-    stats: Any  # EngineStats
-    _program: Callable
-    _emit: Callable
-    model_config: ModelConfig
-    hot_token_ids: jax.Array | None  # [U] int32, the draft head's vocabulary (None: all)
+    tokens: np.ndarray  # [B, T] emitted tokens, row i's first counts[i] are real
+    logprobs: np.ndarray  # [B, T]
+    counts: np.ndarray  # [B] tokens emitted per row (accepted drafts + 1)
 
-    def set_hot_token_ids(self, hot_token_ids) -> None:
-        """Drafts among these token ids only (None: the full vocabulary).
 
-        The draft levels' LM head becomes the live head's columns of these U tokens (see
-        `tlt_jax.drafter.hot_vocab`); verification keeps the full vocabulary, so outputs are
-        unchanged. A new size compiles new draft programs; new ids of the same size do not.
+class SpecRunner:
+    """SD steps for one engine; every dependency is passed in (no reach into the engine)."""
 
-        Raises:
-          ValueError: if the ids are not a 1-D list of distinct ids in [0, vocab) with at
-            least the configured strategy's topk entries.
+    def __init__(self, config, graphdef, drafter_config: ModelConfig | None, stats,
+                 program: Callable, ngram=None):  # fmt: skip
         """
-        if hot_token_ids is None:
-            self.hot_token_ids = None
-            return
-        ids = np.asarray(hot_token_ids)
-        vocab = self.model_config.vocab_size
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"hot_token_ids must be a non-empty 1-D integer array; got shape "
-                             f"{ids.shape} dtype {ids.dtype}")  # fmt: skip
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise ValueError(f"hot_token_ids hold ids outside [0, {vocab}): min {ids.min()}, "
-                             f"max {ids.max()}")  # fmt: skip
-        if np.unique(ids).size != ids.size:
-            raise ValueError("hot_token_ids hold duplicate ids")
-        strategy = self.config.spec_strategy
-        if strategy is not None and ids.size < strategy.topk:
-            raise ValueError(f"hot_token_ids has {ids.size} ids; engine.spec_strategy "
-                             f"{strategy} needs at least topk={strategy.topk}")  # fmt: skip
-        self.hot_token_ids = jnp.asarray(ids, jnp.int32)
-
-    def update_drafter_params(self, params) -> None:
-        """Swaps in new drafter weights (`Drafter.params_dict()` layout), checked like the
-        policy's (structure, shapes, dtypes, shardings).
-
-        Drafter caches of running requests keep what the old weights computed; later SD steps
-        extend them with the new weights (speculation stays lossless either way).
+        Args:
+          config: the engine's `EngineConfig` (buckets, attention impl).
+          graphdef: the policy's graph definition.
+          drafter_config: the drafter's architecture (None: model-free drafts only).
+          stats: the engine's `EngineStats` (switch cost and per-source counters).
+          program: `program(key, fn, *args, donate=())` -> compiled program (the engine's pool).
+          ngram: the engine's `NgramIndex` (None: no model-free drafts).
         """
-        from tlt_jax.rl.weight_sync import check_compatible
+        self.config = config
+        self.graphdef = graphdef
+        self.drafter_config = drafter_config
+        self.stats = stats
+        self._program = program
+        self.ngram = ngram
 
-        if self.drafter_params is None:
-            raise ValueError("update_drafter_params: this engine was built without a drafter")
-        check_compatible(self.drafter_params, params)
-        self.drafter_params = params
-
-    def step_mode(self, num_running: int) -> SpecStrategy | None:
-        """The strategy of the next decode step, or None for plain decoding.
-
-        The hook the adaptive controller drives (override it on the instance or in a
-        subclass): SD whenever a drafter and a strategy are configured, unless more than
-        `spec_max_batch` requests are running.
-        """
-        cfg = self.config
-        if self.drafter_params is None or cfg.spec_strategy is None:
-            return None
-        if cfg.spec_max_batch is not None and num_running > cfg.spec_max_batch:
-            return None
-        return cfg.spec_strategy
-
-    def _spec_step(self, running: list, max_len: int, strategy: SpecStrategy) -> None:
-        """One SD step over the running requests (slot i holds running[i])."""
-        if self.drafter_params is None:
-            raise ValueError(f"step_mode chose {strategy} but this engine has no drafter")
-        self._sync_drafter(running, max_len)
+    def step(self, choice: StepChoice, params, drafter_params, hot_token_ids, state: Any,
+             running: list, max_len: int) -> tuple[Any, SpecResult]:  # fmt: skip
+        """One SD step over `running` (slot i holds running[i]); returns (state, result)."""
+        if choice.needs_drafter and drafter_params is None:
+            raise ValueError(f"step policy chose {choice} but this engine has no drafter")
+        if choice.needs_ngram and self.ngram is None:
+            raise ValueError(f"step policy chose {choice} but this engine has no n-gram index")
+        if drafter_params is not None:
+            state = self.sync_drafter(params, drafter_params, state, running, max_len)
         cfg = self.config
         b = _bucket(len(running), cfg.batch_buckets)
         s = _bucket(max_len + 1, cfg.kv_buckets)
-        greedy = all(r.request.sampling.greedy for r in running)
+        strategy = choice.strategy
         k, d, t = strategy.topk, strategy.depth, strategy.verify_tokens
-        impl = cfg.spec_attention_impl
-        draft_fn = functools.partial(
-            speculative.draft_program,
-            self.graphdef,
-            self.drafter_config,
-            batch=b,
-            kv_len=s,
-            topk=k,
-            depth=d,
-            attention_impl=impl,
-        )
-        hot = self.hot_token_ids
+        if choice.needs_drafter:
+            tree = self._eagle_tree(params, drafter_params, hot_token_ids, state, b, s, strategy)
+            if choice.source == "hybrid":
+                tree = self._hybrid_tree(tree, running, t, d, k)
+        else:
+            tree = self._ngram_tree(running, b, t, d, k)
+        greedy = all(r.request.sampling.greedy for r in running)
+        verify_fn = functools.partial(
+            speculative.verify_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
+            greedy_only=greedy, attention_impl=cfg.spec_attention_impl,
+        )  # fmt: skip
+        args = (params, drafter_params, state, tree)
+        key = ("spec_verify", b, t, s, greedy, drafter_params is not None)
+        state, tokens, logprobs, counts = self._program(key, verify_fn, *args, donate=(2,))(*args)
+        result = SpecResult(np.asarray(tokens), np.asarray(logprobs), np.asarray(counts))
+        stats = self.stats
+        stats.spec_steps += 1
+        n = len(running)
+        stats.spec_rows_by_source[choice.source] = stats.spec_rows_by_source.get(
+            choice.source, 0) + n  # fmt: skip
+        stats.spec_tokens_by_source[choice.source] = stats.spec_tokens_by_source.get(
+            choice.source, 0) + int(result.counts[:n].sum())  # fmt: skip
+        return state, result
+
+    def _eagle_tree(self, params, drafter_params, hot, state, b, s, strategy) -> DraftTree:
+        k, d, t = strategy.topk, strategy.depth, strategy.verify_tokens
         if hot is not None and hot.shape[0] < k:
             raise ValueError(f"strategy {strategy} needs topk={k} <= the hot vocabulary size "
                              f"{hot.shape[0]}")  # fmt: skip
-        args = (self.params, self.drafter_params, self.state, hot)
+        draft_fn = functools.partial(
+            speculative.draft_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
+            topk=k, depth=d, attention_impl=self.config.spec_attention_impl,
+        )  # fmt: skip
+        args = (params, drafter_params, state, hot)
         key = ("spec_draft", b, k, d, s, None if hot is None else hot.shape[0])
         candidates = self._program(key, draft_fn, *args)(*args)
         tree_fn = functools.partial(speculative.tree_program, batch=b, verify_tokens=t, depth=d)
-        program = self._program(("spec_tree", b, k, d, t), tree_fn, candidates, self.state)
-        tree = program(candidates, self.state)
-        verify_fn = functools.partial(
-            speculative.verify_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
-            greedy_only=greedy, attention_impl=impl,
-        )  # fmt: skip
-        args = (self.params, self.drafter_params, self.state, tree)
-        program = self._program(("spec_verify", b, t, s, greedy), verify_fn, *args, donate=(2,))
-        self.state, tokens, logprobs, counts = program(*args)
-        self.stats.spec_steps += 1
-        tokens, logprobs, counts = np.asarray(tokens), np.asarray(logprobs), np.asarray(counts)
-        for i, run in enumerate(running):
-            run.completion.accepted_lengths.append(int(counts[i]))
-            for j in range(int(counts[i])):
-                self._emit(run, int(tokens[i, j]), float(logprobs[i, j]))
-                if run.completion.finish_reason:
-                    break  # the rest of the run is dropped with the finished request
-            run.draft_len = run.cache_len
+        return self._program(("spec_tree", b, k, d, t), tree_fn, candidates, state)(
+            candidates, state)  # fmt: skip
 
-    def _sync_drafter(self, running: list, max_len: int) -> None:
+    def _rows(self, running: list, b: int):
+        ids = [r.index for r in running]
+        lengths = np.zeros((b,), np.int32)
+        last = np.zeros((b,), np.int32)
+        for i, run in enumerate(running):
+            lengths[i] = run.cache_len
+            last[i] = run.completion.token_ids[-1]
+        return ids, lengths, last
+
+    def _ngram_tree(self, running: list, b: int, t: int, d: int, k: int) -> DraftTree:
+        ids, lengths, last = self._rows(running, b)
+        arrays = self.ngram.propose_batch(ids, lengths[: len(ids)], last[: len(ids)],
+                                          verify_tokens=t, depth=d, topk=k)  # fmt: skip
+        return _padded_tree(arrays, b, lengths, last)
+
+    def _hybrid_tree(self, tree: DraftTree, running: list, t: int, d: int, k: int) -> DraftTree:
+        from tlt_jax.rollout.ngram import merge_into_tree
+
+        n = len(running)
+        ids, lengths, last = self._rows(running, tree.tokens_BxT.shape[0])
+        host = [np.array(x) for x in jax.device_get(tuple(tree))]
+        chains = self.ngram.propose_batch(ids, lengths[:n], last[:n], verify_tokens=t,
+                                          depth=d, topk=1)  # fmt: skip
+        merged = merge_into_tree(tuple(x[:n] for x in host), chains, verify_tokens=t)
+        for full, part in zip(host, merged, strict=True):
+            full[:n] = part
+        return DraftTree(*(jnp.asarray(x) for x in host))
+
+    def sync_drafter(self, params, drafter_params, state, running: list, max_len: int):
         """Catches the drafter up on the positions plain steps decoded (the SD switch cost)."""
         behind = [r.cache_len - r.draft_len for r in running]
         if max(behind) <= 0:
-            return
+            return state
         cfg = self.config
         b = _bucket(len(running), cfg.batch_buckets)
         s = _bucket(max_len + 1, cfg.kv_buckets)
@@ -192,20 +217,34 @@ class SpeculativeSteps:
                 next_tokens[i, : behind[i]] = seq[run.draft_len + 1 : run.cache_len + 1]
                 counts[i] = behind[i]
         fn = functools.partial(
-            speculative.catchup_program,
-            self.graphdef,
-            self.drafter_config,
-            batch=b,
-            kv_len=s,
+            speculative.catchup_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
             attention_impl=cfg.spec_attention_impl,
-        )
-        args = (self.params, self.drafter_params, self.state, tokens, next_tokens, counts)
+        )  # fmt: skip
+        args = (params, drafter_params, state, tokens, next_tokens, counts)
         program = self._program(("drafter_catchup", b, t, s), fn, *args, donate=(2,))
         start = time.perf_counter()
-        self.state = program(*args)
-        jax.block_until_ready(self.state.draft.lengths)  # rare, and measured
+        state = program(*args)
+        jax.block_until_ready(state.draft.lengths)  # rare, and measured
         self.stats.spec_switch_seconds += time.perf_counter() - start
         self.stats.spec_switch_count += 1
         self.stats.spec_switch_tokens += int(counts.sum())
         for run in running:
             run.draft_len = run.cache_len
+        return state
+
+
+def _padded_tree(arrays, b: int, lengths: np.ndarray, last: np.ndarray) -> DraftTree:
+    """A host-built tree for the running rows, padded to the batch bucket with root-only rows
+    (their nodes are the harmless padding `ngram.propose_batch` uses)."""
+    tokens, parents, depth, positions, mask = (np.asarray(x) for x in arrays)
+    n, t = tokens.shape
+    if n < b:
+        from tlt_jax.rollout.ngram import empty_tree
+
+        pad = empty_tree(b - n, t, lengths[n:], last[n:])
+        tokens, parents, depth, positions, mask = (
+            np.concatenate([x, p]) for x, p in zip((tokens, parents, depth, positions, mask),
+                                                    pad, strict=True))  # fmt: skip
+    return DraftTree(jnp.asarray(tokens, jnp.int32), jnp.asarray(parents, jnp.int32),
+                     jnp.asarray(depth, jnp.int32), jnp.asarray(positions, jnp.int32),
+                     jnp.asarray(mask, bool))  # fmt: skip

@@ -232,7 +232,7 @@ def verify_program(graphdef, drafter_config: ModelConfig, params, drafter_params
       (state, tokens_BxT, logprobs_BxT, num_emitted_B): the emitted tokens are
       `tokens[b, :num_emitted[b]]` (accepted drafts, then the correction or bonus token), with
       their logprobs under the target; the state's lengths grew by num_emitted, `last_token`
-      is the last emitted token and the drafter is in sync.
+      is the last emitted token and the drafter (if `drafter_params` is given) is in sync.
     """
     model = nnx.merge(graphdef, params)
     lengths = state.lengths[:batch]
@@ -248,12 +248,14 @@ def verify_program(graphdef, drafter_config: ModelConfig, params, drafter_params
         state.keys[:batch], greedy_only=greedy_only, residual=residual,
     )  # fmt: skip
     count_B = result.num_accepted_B + 1
-    path_features = jnp.take_along_axis(features_BxTxD, result.path_BxT[..., None], axis=1)
-    draft = extend_drafter(
-        drafter_params, drafter_config, model.embed.get_value(), state.draft, result.tokens_BxT,
-        path_features, lengths, count_B, batch=batch, kv_len=kv_len,
-        attention_impl=attention_impl,
-    )  # fmt: skip
+    draft = state.draft
+    if drafter_params is not None:  # model-free trees on an engine without a drafter: none
+        path_features = jnp.take_along_axis(features_BxTxD, result.path_BxT[..., None], axis=1)
+        draft = extend_drafter(
+            drafter_params, drafter_config, model.embed.get_value(), state.draft,
+            result.tokens_BxT, path_features, lengths, count_B, batch=batch, kv_len=kv_len,
+            attention_impl=attention_impl,
+        )  # fmt: skip
     last_token = jnp.take_along_axis(result.tokens_BxT, (count_B - 1)[:, None], axis=1)[:, 0]
     state = state.replace(
         cache=commit_kv(state.cache, new, result.path_BxT, lengths, count_B),

@@ -1,0 +1,328 @@
+"""Step policies: what the rollout engine runs at each decode step (DESIGN.md section 4).
+
+A step policy is the engine's declared seam for speculative decoding. Before every decode step
+the engine asks `choose(num_running)` for a `StepChoice` (a draft source and a `SpecStrategy`)
+or None (plain decoding); after the step it reports `record(choice, num_running, emitted,
+seconds)`: the tokens the step emitted over the whole batch and the host time from dispatch to
+the read of its tokens. The engine reads every step's tokens anyway (stop detection), so this
+timing adds no device sync.
+
+Policies:
+
+- `PlainPolicy`: never speculates.
+- `FixedPolicy`: one choice whenever at most `max_batch` requests run (benchmarks, generate.py).
+- `ScheduledPolicy`: a choice per step index (benchmarks of the switch cost).
+- `AdaptivePolicy`: TLT's adaptive rollout. SD mode turns on after `warmup_steps` consecutive
+  steps with at most `threshold` requests running and off as soon as more run (new requests
+  admitted). In SD mode a bucketed epsilon-greedy bandit (BEG-MAB) picks the arm: the running
+  batch's engine batch bucket (1, 2, 4, ...; TLT's fine-grained groups) holds the arms of the
+  BEG bucket `[t_i, t_{i+1})` that contains it: every strategy with that bucket's verify budget,
+  for every draft source, plus plain decoding, so a cold or stale drafter costs nothing: the
+  bandit falls back to plain where SD does not pay. Reward = emitted tokens per second
+  (acceptance length x batch / step time), kept in a window of `window` steps per arm; select
+  untried arms first, else with probability `epsilon` a uniform arm, else the best median.
+  Deterministic given its seed; `state_dict` / `load_state_dict` checkpoint it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from tlt_jax.rollout.speculative import SpecStrategy
+
+DRAFT_SOURCES = ("eagle", "ngram", "hybrid")
+PLAIN = "plain"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepChoice:
+    """One SD step's plan: where the draft tree comes from and its shape.
+
+    `source`: "eagle" (the drafter's EAGLE-2 tree), "ngram" (model-free suffix matches over the
+    prompt, the response so far, GRPO siblings and earlier steps) or "hybrid" (n-gram chains
+    merged into the EAGLE tree within the verify budget).
+    """
+
+    strategy: SpecStrategy
+    source: str = "eagle"
+
+    def __post_init__(self):
+        if isinstance(self.strategy, str):
+            object.__setattr__(self, "strategy", SpecStrategy.parse(self.strategy))
+        if self.source not in DRAFT_SOURCES:
+            raise ValueError(f"StepChoice.source={self.source!r} is not one of "
+                             f"{list(DRAFT_SOURCES)}")  # fmt: skip
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self.source in ("eagle", "hybrid")
+
+    @property
+    def needs_ngram(self) -> bool:
+        return self.source in ("ngram", "hybrid")
+
+    def __str__(self) -> str:
+        return f"{self.source}:{self.strategy}"
+
+
+def arm_name(choice: StepChoice | None) -> str:
+    return PLAIN if choice is None else str(choice)
+
+
+class StepPolicy(Protocol):
+    """What the engine asks before and tells after every decode step."""
+
+    def choices(self) -> Sequence[StepChoice]:
+        """Every choice the policy may return (the engine checks it can run them)."""
+        ...
+
+    def begin(self) -> None:
+        """A `generate` call starts (a new rollout)."""
+        ...
+
+    def choose(self, num_running: int) -> StepChoice | None:
+        """The next step's plan; None: plain decoding."""
+        ...
+
+    def record(self, choice: StepChoice | None, num_running: int, emitted_tokens: int,
+               seconds: float) -> None:  # fmt: skip
+        """The step that ran `choice` emitted `emitted_tokens` in `seconds` (host time)."""
+        ...
+
+    def choice_counts(self) -> dict[str, int]:
+        """This rollout's steps per 'batch bucket/arm' (metrics)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state for run checkpoints ({} when stateless)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class PlainPolicy:
+    """Plain decoding only."""
+
+    def choices(self) -> Sequence[StepChoice]:
+        return ()
+
+    def begin(self) -> None:
+        pass
+
+    def choose(self, num_running: int) -> StepChoice | None:
+        return None
+
+    def record(self, choice, num_running, emitted_tokens, seconds) -> None:
+        pass
+
+    def choice_counts(self) -> dict[str, int]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class FixedPolicy(PlainPolicy):
+    """`choice` at every step with at most `max_batch` running requests (None: always)."""
+
+    def __init__(self, choice: StepChoice, max_batch: int | None = None):
+        self.choice = choice
+        self.max_batch = max_batch
+
+    def choices(self) -> Sequence[StepChoice]:
+        return (self.choice,)
+
+    def choose(self, num_running: int) -> StepChoice | None:
+        if self.max_batch is not None and num_running > self.max_batch:
+            return None
+        return self.choice
+
+
+class ScheduledPolicy(PlainPolicy):
+    """Plain for the first `plain_steps` steps of every `generate`, then `choice`."""
+
+    def __init__(self, choice: StepChoice | None, plain_steps: int = 0):
+        self.choice = choice
+        self.plain_steps = plain_steps
+        self._steps = 0
+
+    def choices(self) -> Sequence[StepChoice]:
+        return () if self.choice is None else (self.choice,)
+
+    def begin(self) -> None:
+        self._steps = 0
+
+    def choose(self, num_running: int) -> StepChoice | None:
+        self._steps += 1
+        return None if self._steps <= self.plain_steps else self.choice
+
+
+@dataclasses.dataclass(frozen=True)
+class BanditConfig:
+    """TLT's adaptive SD settings (defaults: the paper's, but for the verify budgets).
+
+    Attributes:
+      threshold: SD only with at most this many running requests (the measured crossover).
+      warmup_steps: consecutive steps at or under the threshold before SD turns on (N).
+      bucket_bounds: lower bounds t_i of the BEG buckets [t_i, t_{i+1}) (first must be 1).
+      strategies: per bucket, the strategies with its verify budget ('depth,topk,verify').
+      sources: draft sources tried with every strategy.
+      epsilon / window: exploration probability and reward window per arm.
+      seed: the bandit's random stream.
+      include_plain: plain decoding is an arm of every bucket (False: SD arms only).
+    """
+
+    threshold: int = 32
+    warmup_steps: int = 10
+    bucket_bounds: tuple[int, ...] = (1, 2, 5, 21)
+    strategies: tuple[tuple[str, ...], ...] = (("8,4,48",), ("8,4,32",), ("8,4,16",),
+                                               ("8,4,8",))  # fmt: skip
+    sources: tuple[str, ...] = ("eagle",)
+    epsilon: float = 0.1
+    window: int = 300
+    seed: int = 0
+    include_plain: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "bucket_bounds", tuple(int(b) for b in self.bucket_bounds))
+        object.__setattr__(self, "strategies", tuple(tuple(s) for s in self.strategies))
+        object.__setattr__(self, "sources", tuple(self.sources))
+        for name in ("threshold", "warmup_steps", "window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
+                raise ValueError(f"spec.{name}={value!r} must be a positive integer")
+        bounds = self.bucket_bounds
+        if not bounds or bounds[0] != 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"spec.bucket_bounds={bounds!r} must start at 1 and increase")
+        if len(self.strategies) != len(bounds):
+            raise ValueError(f"spec.strategies has {len(self.strategies)} buckets; "
+                             f"spec.bucket_bounds={bounds!r} has {len(bounds)}")  # fmt: skip
+        for i, group in enumerate(self.strategies):
+            parsed = [SpecStrategy.parse(s) for s in group]  # raises on a bad string
+            if len({s.verify_tokens for s in parsed}) > 1:
+                raise ValueError(f"spec.strategies[{i}]={group!r}: a bucket's strategies share "
+                                 "one verify budget (BEG-MAB groups strategies by it)")  # fmt: skip
+        bad = [s for s in self.sources if s not in DRAFT_SOURCES]
+        if not self.sources or bad:
+            raise ValueError(f"spec.sources={self.sources!r}: expected a non-empty subset of "
+                             f"{list(DRAFT_SOURCES)}")  # fmt: skip
+        if not 0 <= self.epsilon <= 1:
+            raise ValueError(f"spec.epsilon={self.epsilon!r} must be in [0, 1]")
+
+    def bucket_arms(self, bucket: int) -> tuple[StepChoice | None, ...]:
+        """Plain first (if included), then every (strategy, source) pair of BEG bucket
+        `bucket`."""
+        arms: list[StepChoice | None] = [None] if self.include_plain else []
+        for text in self.strategies[bucket]:
+            strategy = SpecStrategy.parse(text)
+            arms.extend(StepChoice(strategy, source) for source in self.sources)
+        return tuple(arms)
+
+    def beg_bucket(self, num_running: int) -> int:
+        """Index i of the BEG bucket [t_i, t_{i+1}) holding `num_running`."""
+        return int(np.searchsorted(self.bucket_bounds, num_running, side="right")) - 1
+
+
+def engine_bucket(num_running: int) -> int:
+    """The engine's power-of-two batch bucket of `num_running` (the bandit's state key)."""
+    return 1 << max(0, int(num_running) - 1).bit_length()
+
+
+class AdaptivePolicy:
+    """SD on in the tail, off when the batch grows; BEG-MAB picks the arm (module docstring)."""
+
+    def __init__(self, config: BanditConfig):
+        self.config = config
+        self._rng = np.random.default_rng(config.seed)
+        # (engine batch bucket, arm name) -> recent rewards (tokens per second).
+        self._rewards: dict[tuple[int, str], deque] = {}
+        self.sd_on = False
+        self._under = 0
+        # This rollout's choices: (engine batch bucket, arm name) -> steps.
+        self.counts: dict[tuple[int, str], int] = {}
+
+    def choices(self) -> Sequence[StepChoice]:
+        out = []
+        for i in range(len(self.config.bucket_bounds)):
+            out.extend(a for a in self.config.bucket_arms(i) if a is not None)
+        return tuple(dict.fromkeys(out))
+
+    def begin(self) -> None:
+        self.sd_on = False
+        self._under = 0
+        self.counts = {}
+
+    def arms_for(self, num_running: int) -> tuple[StepChoice | None, ...]:
+        """The arms the bandit picks from at this batch size (plain first)."""
+        # The engine pads a batch to its bucket, so the bucket's size decides what it costs.
+        size = max(num_running, min(engine_bucket(num_running), self.config.threshold))
+        return self.config.bucket_arms(self.config.beg_bucket(size))
+
+    def choose(self, num_running: int) -> StepChoice | None:
+        cfg = self.config
+        if num_running > cfg.threshold:
+            self.sd_on, self._under = False, 0
+            return None
+        self._under += 1
+        if self._under > cfg.warmup_steps:  # N steps at or under the threshold ran plain
+            self.sd_on = True
+        if not self.sd_on:
+            return None
+        arms = self.arms_for(num_running)
+        key = engine_bucket(num_running)
+        windows = [self._rewards.get((key, arm_name(a))) for a in arms]
+        untried = [a for a, w in zip(arms, windows, strict=True) if not w]
+        if untried:
+            choice = untried[0]
+        elif len(arms) > 1 and self._rng.random() < cfg.epsilon:
+            choice = arms[int(self._rng.integers(len(arms)))]
+        else:
+            medians = [float(np.median(w)) for w in windows]
+            choice = arms[int(np.argmax(medians))]
+        name = (key, arm_name(choice))
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return choice
+
+    def record(self, choice: StepChoice | None, num_running: int, emitted_tokens: int,
+               seconds: float) -> None:  # fmt: skip
+        # Plain steps count only in SD mode (its own arm); earlier plain steps ran at other
+        # batch sizes or before the switch and say nothing about this bucket's choice.
+        if not self.sd_on or seconds <= 0 or num_running > self.config.threshold:
+            return
+        key = (engine_bucket(num_running), arm_name(choice))
+        window = self._rewards.setdefault(key, deque(maxlen=self.config.window))
+        window.append(emitted_tokens / seconds)
+
+    def choice_counts(self) -> dict[str, int]:
+        return {f"{b}/{a}": n for (b, a), n in sorted(self.counts.items())}
+
+    def median_rewards(self) -> dict[str, float]:
+        """'bucket/arm' -> median reward (tokens per second), for metrics."""
+        return {f"{b}/{a}": float(np.median(w)) for (b, a), w in sorted(self._rewards.items())
+                if w}  # fmt: skip
+
+    # -- checkpointing -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state: reward windows and the random stream."""
+        return {
+            "rewards": [[b, a, list(w)] for (b, a), w in sorted(self._rewards.items())],
+            "rng": self._rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self._rewards = {
+            (int(b), str(a)): deque((float(r) for r in w), maxlen=self.config.window)
+            for b, a, w in state["rewards"]
+        }
+        self._rng.bit_generator.state = state["rng"]

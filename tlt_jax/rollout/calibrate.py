@@ -1,0 +1,145 @@
+"""Measuring where speculative decoding can pay on this hardware: the SD threshold.
+
+SD turns a decode step into a verification of T tree tokens. It pays at batch b when the
+tokens a step emits (the acceptance length) exceed the verify step's cost in plain steps,
+`cost_ratio(b) = verify_step(b, T) / plain_step(b)`. That ratio grows with the batch as steps
+turn compute-bound; the threshold is the largest engine batch bucket whose ratio is below
+`max_cost_ratio` (default 2.0, about the acceptance length a warmed EAGLE drafter reaches on
+SmolLM2; BENCHMARKS.md). Above it SD is never tried; at or under it the bandit decides per
+bucket from measured rewards, with plain decoding as one of its arms.
+
+`calibrate` times both kinds of step through the engine's public API (plain and n-gram verify
+steps of the same random requests, sampled as RL samples), so it needs no drafter, and its
+programs land in the engine's pool for the run to reuse. `scripts/calibrate_spec.py` writes the
+result as JSON (`spec.calibration_file`); without a file the trainer calibrates at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tlt_jax.rollout.adaptive import FixedPolicy, PlainPolicy, StepChoice
+from tlt_jax.rollout.sampling import SamplingParams
+from tlt_jax.rollout.speculative import SpecStrategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Per engine batch bucket: plain and verify step milliseconds, their ratio; the threshold."""
+
+    threshold: int
+    verify_tokens: int
+    max_cost_ratio: float
+    plain_ms: dict[int, float]
+    verify_ms: dict[int, float]
+    seconds: float
+    backend: str = ""
+
+    @property
+    def cost_ratio(self) -> dict[int, float]:
+        return {b: self.verify_ms[b] / self.plain_ms[b] for b in self.plain_ms}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "threshold": self.threshold,
+            "verify_tokens": self.verify_tokens,
+            "max_cost_ratio": self.max_cost_ratio,
+            "plain_ms": {str(b): round(v, 3) for b, v in self.plain_ms.items()},
+            "verify_ms": {str(b): round(v, 3) for b, v in self.verify_ms.items()},
+            "cost_ratio": {str(b): round(v, 3) for b, v in self.cost_ratio.items()},
+            "seconds": round(self.seconds, 2),
+            "backend": self.backend,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Calibration:
+        return cls(
+            threshold=int(raw["threshold"]),
+            verify_tokens=int(raw["verify_tokens"]),
+            max_cost_ratio=float(raw["max_cost_ratio"]),
+            plain_ms={int(b): float(v) for b, v in raw["plain_ms"].items()},
+            verify_ms={int(b): float(v) for b, v in raw["verify_ms"].items()},
+            seconds=float(raw.get("seconds", 0.0)),
+            backend=str(raw.get("backend", "")),
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+
+def load_calibration(path: str | os.PathLike) -> Calibration:
+    """Reads a calibration JSON; the error names the file and what is missing."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"spec.calibration_file={str(path)!r} does not exist; write one "
+                                "with scripts/calibrate_spec.py or set it to ''")  # fmt: skip
+    try:
+        return Calibration.from_dict(json.loads(path.read_text()))
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"spec.calibration_file={str(path)!r} is not a calibration "
+                         f"(expected threshold, verify_tokens, plain_ms, verify_ms): {e}") from e
+
+
+def _step_ms(timeline, batch: int) -> float:
+    """Median milliseconds of the steps that ran at exactly `batch` requests."""
+    times = np.diff([0.0] + [t for t, *_ in timeline])
+    ran = [dt for dt, (_, n, *_) in zip(times, timeline, strict=True) if n == batch]
+    return 1e3 * float(np.median(ran[1:] if len(ran) > 2 else ran))
+
+
+def calibrate(engine, *, verify_tokens: int = 4, max_batch: int | None = None,
+              prompt_len: int = 16, steps: int = 8, temperature: float = 0.8,
+              max_cost_ratio: float = 2.0, seed: int = 0) -> Calibration:  # fmt: skip
+    """Times plain and verify steps per engine batch bucket and derives the threshold.
+
+    Args:
+      engine: a `RolloutEngine` (its step policy is restored afterwards).
+      verify_tokens: T of the timed verify steps (the smallest budget the run's bandit has).
+      max_batch: largest bucket timed (default: the engine's largest).
+      prompt_len / steps: random prompts of this length, `steps` timed steps per bucket.
+      temperature: sampling of the timed requests (as RL samples).
+      max_cost_ratio: SD is tried where verify / plain is below this.
+      seed: the random prompts' seed.
+
+    Returns:
+      The `Calibration`; threshold 0 when SD pays at no batch size.
+    """
+    from tlt_jax.rollout.engine import Request
+
+    start = time.perf_counter()
+    cfg = engine.config
+    buckets = [b for b in cfg.batch_buckets if max_batch is None or b <= max_batch]
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    sampling = SamplingParams(temperature=temperature)
+    choice = StepChoice(SpecStrategy(max(verify_tokens - 1, 1), 1, verify_tokens), "ngram")
+    saved = engine.step_policy
+    plain_ms, verify_ms = {}, {}
+    try:
+        for b in buckets:
+            requests = [Request(tuple(int(t) for t in rng.integers(0, vocab, prompt_len)),
+                                steps + 2, sampling, (), seed=i)  # fmt: skip
+                        for i in range(b)]
+            for policy, out in ((PlainPolicy(), plain_ms), (FixedPolicy(choice), verify_ms)):
+                engine.step_policy = policy
+                engine.generate(requests)  # compiles this bucket's programs off the clock
+                engine.generate(requests)
+                out[b] = _step_ms(engine.stats.timeline, b)
+    finally:
+        engine.step_policy = saved
+    ratio = {b: verify_ms[b] / plain_ms[b] for b in buckets}
+    threshold = max((b for b in buckets if ratio[b] < max_cost_ratio), default=0)
+    import jax
+
+    return Calibration(threshold, verify_tokens, max_cost_ratio, plain_ms, verify_ms,
+                       time.perf_counter() - start, jax.default_backend())  # fmt: skip
