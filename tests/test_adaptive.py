@@ -1,0 +1,166 @@
+"""TLT's step policy: SD on/off in the tail, BEG-MAB arm choice, determinism, checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tlt_jax.rl.config import SpecConfig
+from tlt_jax.rollout.adaptive import (
+    AdaptivePolicy,
+    BanditConfig,
+    FixedPolicy,
+    ScheduledPolicy,
+    StepChoice,
+    engine_bucket,
+)
+from tlt_jax.rollout.speculative import SpecStrategy
+
+BOUNDS = (1, 2, 5)
+STRATEGIES = (("4,1,5", "2,2,5"), ("3,1,4",), ("1,1,2",))
+
+
+def _config(**kw) -> BanditConfig:
+    base = dict(threshold=8, warmup_steps=3, bucket_bounds=BOUNDS, strategies=STRATEGIES,
+                sources=("ngram",), epsilon=0.1, window=5, seed=0)  # fmt: skip
+    return BanditConfig(**{**base, **kw})
+
+
+def test_sd_turns_on_after_n_steps_under_threshold_and_off_when_the_batch_grows():
+    policy = AdaptivePolicy(_config(epsilon=0.0))
+    policy.begin()
+    # Above the threshold: plain; the counter starts only at <= 8 running.
+    assert [policy.choose(n) for n in (20, 9)] == [None, None]
+    # 3 plain steps at <= 8, then SD (the first untried arm of bucket [5, ...): 1,1,2).
+    got = [policy.choose(n) for n in (8, 8, 8, 8)]
+    assert got[:3] == [None] * 3 and policy.sd_on
+    # Untried arms first, in order: plain (index 0) is an arm too.
+    assert got[3] is None
+    policy.record(None, 8, 8, 0.1)
+    assert policy.choose(8) == StepChoice(SpecStrategy(1, 1, 2), "ngram")
+    # New requests admitted: off again, and the warm-up counter restarts.
+    assert policy.choose(9) is None and not policy.sd_on
+    assert [policy.choose(3) for _ in range(3)] == [None] * 3
+    assert policy.choose(3) is None and policy.sd_on  # untried plain at engine bucket 4
+    policy.begin()
+    assert not policy.sd_on
+
+
+def test_arms_per_bucket_follow_the_engine_batch_bucket():
+    policy = AdaptivePolicy(_config())
+    # Batch 1 -> BEG bucket [1, 2): two strategies of verify 5; 3 and 4 pad to engine bucket
+    # 4 -> [2, 5); 5..8 pad to 8 -> [5, ...).
+    assert [str(a) for a in policy.arms_for(1)] == ["None", "ngram:4,1,5", "ngram:2,2,5"]
+    assert [str(a) for a in policy.arms_for(3)] == ["None", "ngram:3,1,4"]
+    assert [str(a) for a in policy.arms_for(6)] == ["None", "ngram:1,1,2"]
+    assert [engine_bucket(n) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+    with_eagle = AdaptivePolicy(_config(sources=("eagle", "ngram", "hybrid"), include_plain=False))
+    assert [str(a) for a in with_eagle.arms_for(2)] == ["eagle:3,1,4", "ngram:3,1,4",
+                                                       "hybrid:3,1,4"]  # fmt: skip
+
+
+def _run(policy, speed: dict, steps: int, n: int = 1, rng_seed: int = 1):
+    """Drives the policy at batch n; arm -> tokens per second (with noise)."""
+    rng = np.random.default_rng(rng_seed)
+    policy.begin()
+    chosen = []
+    for _ in range(steps):
+        choice = policy.choose(n)
+        name = "plain" if choice is None else str(choice)
+        chosen.append(name)
+        tokens_per_s = speed[name] * (1 + 0.05 * rng.standard_normal())
+        emitted = n if choice is None else 2 * n
+        policy.record(choice, n, emitted, emitted / tokens_per_s)
+    return chosen
+
+
+def test_bandit_falls_back_to_plain_where_sd_is_slower_and_takes_sd_where_it_pays():
+    cfg = _config(warmup_steps=0, window=50)
+    # SD slower than plain (a cold drafter): after trying each arm, plain wins ~90%.
+    slow = {"plain": 30.0, "ngram:4,1,5": 20.0, "ngram:2,2,5": 22.0}
+    chosen = _run(AdaptivePolicy(cfg), slow, 400)
+    assert chosen[:3] == ["plain", "ngram:4,1,5", "ngram:2,2,5"]
+    assert 0.85 < chosen[3:].count("plain") / 397 < 0.97
+    fast = {"plain": 30.0, "ngram:4,1,5": 50.0, "ngram:2,2,5": 40.0}
+    chosen = _run(AdaptivePolicy(cfg), fast, 400)
+    assert 0.85 < chosen[3:].count("ngram:4,1,5") / 397 < 0.97
+
+
+def test_bandit_is_deterministic_and_its_state_round_trips_through_json():
+    cfg = _config(warmup_steps=0)
+    speed = {"plain": 30.0, "ngram:4,1,5": 31.0, "ngram:2,2,5": 29.0}
+    a, b = AdaptivePolicy(cfg), AdaptivePolicy(cfg)
+    assert _run(a, speed, 200) == _run(b, speed, 200)
+    other = AdaptivePolicy(_config(warmup_steps=0, seed=1))
+    assert _run(other, speed, 200) != _run(AdaptivePolicy(cfg), speed, 200)
+    # Checkpoint in the middle: a restored policy continues exactly like the original.
+    first, resumed = AdaptivePolicy(cfg), AdaptivePolicy(cfg)
+    _run(first, speed, 50)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert resumed.median_rewards() == first.median_rewards()
+    assert _run(first, speed, 100, rng_seed=7) == _run(resumed, speed, 100, rng_seed=7)
+
+
+def test_rewards_are_windowed_and_plain_steps_outside_sd_mode_are_not_recorded():
+    policy = AdaptivePolicy(_config(warmup_steps=2, window=3))
+    policy.begin()
+    for _ in range(2):
+        assert policy.choose(1) is None
+        policy.record(None, 1, 1, 0.5)  # warm-up steps: not rewards of the SD-mode arm
+    assert policy.median_rewards() == {}
+    for seconds in (1.0, 0.5, 0.25, 0.125):
+        policy.choose(1)
+        policy.record(None, 1, 1, seconds)
+    # Window of 3: the last three rewards 2, 4, 8 tokens/s.
+    assert policy.median_rewards() == {"1/plain": 4.0}
+
+
+def test_fixed_and_scheduled_policies():
+    choice = StepChoice("3,2,6", "eagle")
+    assert choice.strategy == SpecStrategy(3, 2, 6) and choice.needs_drafter
+    fixed = FixedPolicy(choice, max_batch=2)
+    assert [fixed.choose(n) for n in (3, 2, 1)] == [None, choice, choice]
+    scheduled = ScheduledPolicy(choice, plain_steps=2)
+    scheduled.begin()
+    assert [scheduled.choose(1) for _ in range(4)] == [None, None, choice, choice]
+    scheduled.begin()
+    assert scheduled.choose(1) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(bucket_bounds=(2, 5)), "must start at 1"),
+        (dict(bucket_bounds=(1, 5, 5)), "must start at 1 and increase"),
+        (dict(strategies=(("4,1,5",),)), "has 1 buckets"),
+        (dict(strategies=(("4,1,5", "3,1,4"), ("3,1,4",), ("1,1,2",))), "one verify budget"),
+        (dict(sources=("medusa",)), "spec.sources"),
+        (dict(epsilon=1.5), "spec.epsilon"),
+        (dict(threshold=0), "spec.threshold"),
+        (dict(strategies=(("4,1,9",), ("3,1,4",), ("1,1,2",))), "verify_tokens=9"),
+    ],
+)
+def test_bandit_config_errors_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _config(**kwargs)
+
+
+def test_spec_config_builds_the_bandit_and_rejects_bad_values():
+    spec = SpecConfig(mode="adaptive", bucket_bounds=(1, 2), strategies=("4,1,5|2,2,5", "3,1,4"))
+    bandit = spec.bandit(threshold=8, has_drafter=False, seed=3)
+    assert bandit.strategies == (("4,1,5", "2,2,5"), ("3,1,4",))
+    assert bandit.sources == ("ngram",) and bandit.include_plain and bandit.seed == 3
+    assert SpecConfig(mode="always").bandit(4, False).include_plain is False
+    assert SpecConfig(mode="always").bandit(4, False).warmup_steps == 0
+    assert SpecConfig(drafter="/x").sources(has_drafter=True) == ("eagle", "ngram", "hybrid")
+    for kwargs, match in (
+        (dict(mode="sometimes"), "spec.mode='sometimes'"),
+        (dict(draft_sources="eagle"), "needs a drafter"),
+        (dict(draft_sources="ngram,medusa"), "spec.draft_sources"),
+        (dict(attention_impl="cuda"), "spec.attention_impl"),
+        (dict(strategies=("4,1,5",)), "spec.strategies has 1 buckets"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SpecConfig(**kwargs)
