@@ -1,5 +1,7 @@
 """Draft trees with NaN drafter scores and top-k / top-p filtering against a numpy reference."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ from tlt_jax.models.drafter import init_drafter
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rollout.draft_tree import Candidates, build_tree, draft_candidates
+from tlt_jax.rollout.sampling import PRESELECT, choose_tokens, filtered_logits
 
 # ----------------------------------------------------------------------------- draft trees
 
@@ -138,3 +141,113 @@ def test_draft_candidates_maps_nan_logprobs_to_minus_inf():
     tree = build_tree(candidates, jnp.array([1, 2]), jnp.array([4, 6]), verify_tokens=8,
                       max_depth=depth)  # fmt: skip
     check_tree(tree, candidates, [4, 6], depth)
+
+
+# ----------------------------------------------------------------------------- filtering
+
+
+def reference_keep(scaled, top_k, top_p):
+    """Which tokens top-k / top-p keep, by a full sort in float64 (ties keep every tied one)."""
+    keep = np.zeros(scaled.shape, bool)
+    for b, row in enumerate(scaled):
+        ordered = np.sort(row.astype(np.float64))[::-1]
+        threshold = -np.inf
+        if 0 < top_k[b] < len(row):
+            threshold = ordered[top_k[b] - 1]
+        if top_p[b] < 1:
+            finite = ordered[np.isfinite(ordered)]
+            probs = np.exp(finite - finite[0])
+            mass_before = np.concatenate([[0.0], np.cumsum(probs / probs.sum())[:-1]])
+            threshold = max(threshold, finite[max(np.sum(mass_before < top_p[b]), 1) - 1])
+        keep[b] = row >= threshold
+    return keep
+
+
+def check_filtered(logits, temperature, top_k, top_p, **kwargs):
+    """Asserts filtered_logits keeps what the reference keeps, at the scaled values."""
+    b = len(logits)
+    logits, temperature_B = jnp.asarray(logits), jnp.full(b, temperature, jnp.float32)
+    got = np.asarray(filtered_logits(logits, temperature_B, jnp.asarray(top_k, jnp.int32),
+                                     jnp.asarray(top_p, jnp.float32), **kwargs))  # fmt: skip
+    # The scaling alone (no row filters); XLA's division may differ from numpy's by an ulp.
+    scaled = np.asarray(filtered_logits(logits, temperature_B, jnp.zeros(b, jnp.int32),
+                                        jnp.ones(b)))  # fmt: skip
+    np.testing.assert_allclose(scaled, np.asarray(logits) / temperature, rtol=1e-6)
+    keep = reference_keep(scaled, top_k, top_p)
+    for row in range(b):
+        assert np.array_equal(np.isfinite(got[row]), keep[row] & np.isfinite(scaled[row])), (
+            f"row {row}: top_k={top_k[row]} top_p={top_p[row]} kept "
+            f"{np.isfinite(got[row]).sum()}, reference {keep[row].sum()}"
+        )
+    np.testing.assert_array_equal(got[keep], scaled[keep])
+    return keep
+
+
+def test_filtered_logits_matches_full_sort_reference():
+    rng = np.random.default_rng(0)
+    vocab = 2000
+    settings = [(k, p) for k in (0, 1, 7, 50, PRESELECT, PRESELECT + 44, vocab - 1, vocab, 5000)
+                for p in (1.0, 0.95, 0.9, 0.5, 0.1)]  # fmt: skip
+    top_k, top_p = np.array(settings).T
+    # Peaked rows (nucleus inside the pre-selection) and flat ones (far outside it).
+    scale = np.where(np.arange(len(settings)) % 2 == 0, 6.0, 0.5)[:, None]
+    logits = (rng.standard_normal((len(settings), vocab)) * scale).astype(np.float32)
+    keep = check_filtered(logits, 0.8, top_k.astype(int), top_p)
+    assert keep[top_p == 1.0].sum(axis=1).max() == vocab  # top_k 0 / >= V with top_p 1
+    assert keep.sum(axis=1).max() > PRESELECT  # some rows needed the threshold search
+
+
+def test_top_p_one_keeps_every_token():
+    # Every other token holds about 1e-13 of the mass: the float32 cumulative sum reaches 1 at
+    # the first token, and the sort-based filter used to drop the other 999.
+    logits = np.zeros((2, 1000), np.float32)
+    logits[:, 1:] = -30.0 - np.linspace(0.0, 1.0, 999)
+    got = filtered_logits(jnp.asarray(logits), jnp.ones(2), jnp.array([0, 5]), jnp.ones(2))
+    assert np.isfinite(np.asarray(got)).sum(axis=1).tolist() == [1000, 5]
+
+
+def test_nucleus_larger_than_the_preselection():
+    # Flat logits: a 0.9 nucleus holds thousands of tokens, far past the top PRESELECT; rows
+    # of one batch mix the fast path (peaked, top-k 3) and the search (flat), and -inf logits.
+    rng = np.random.default_rng(1)
+    logits = (rng.standard_normal((4, 8192)) * 0.3).astype(np.float32)
+    logits[1] *= 20.0
+    logits[2, ::3] = -np.inf
+    keep = check_filtered(logits, 1.0, np.array([0, 3, 0, 4000]), np.array([0.9, 1.0, 0.7, 0.99]))
+    assert keep[0].sum() > 10 * PRESELECT and keep[1].sum() == 3 and keep[3].sum() == 4000
+
+
+def test_ties_at_the_threshold_keep_every_tied_token():
+    logits = np.zeros((3, 1000), np.float32)
+    logits[:, :300] = 2.0  # 300 tokens tied at the top, more than the pre-selection
+    logits[2, :2] = 3.0
+    keep = check_filtered(logits, 1.0, np.array([10, 0, 0]), np.array([1.0, 0.01, 0.2]))
+    # Top-10 and a tiny nucleus both land inside the tie: all 300 stay. Row 2: the two 3.0s
+    # hold 2 e^3 / (2 e^3 + 298 e^2 + 700) = 0.014 of the mass, below 0.2, so the nucleus
+    # reaches into the 298 tied 2.0s and keeps them all.
+    assert keep.sum(axis=1).tolist() == [300, 300, 300]
+
+
+@pytest.mark.parametrize("preselect", [1, 4, 16])
+def test_threshold_search_agrees_with_the_preselected_path(preselect):
+    # A small pre-selection sends most rows to the bisection: same kept sets as the default.
+    rng = np.random.default_rng(preselect)
+    logits = (rng.standard_normal((24, 64)) * rng.uniform(0.2, 5, (24, 1))).astype(np.float32)
+    top_k = rng.choice([0, 1, 3, 10, 40], 24)
+    top_p = rng.choice([1.0, 0.95, 0.8, 0.3], 24)
+    check_filtered(logits, 0.7, top_k, top_p, preselect=preselect)
+
+
+def test_no_filtering_is_only_scaling_and_nothing_sorts():
+    logits = jax.random.normal(jax.random.key(0), (4, 300))
+    temperature = jnp.array([0.5, 1.0, 2.0, 0.0])
+    got = filtered_logits(logits, temperature, jnp.zeros(4, jnp.int32), jnp.ones(4))
+    np.testing.assert_array_equal(got, logits / jnp.array([0.5, 1.0, 2.0, 1.0])[:, None])
+    args = (logits, temperature, jnp.array([5, 0, 0, 0]), jnp.array([1.0, 0.9, 1.0, 1.0]))
+    sorts = re.compile(r"\bsort\[")  # the primitive, in any branch or loop body
+    assert not sorts.search(str(jax.make_jaxpr(filtered_logits)(*args)))
+    keys = jax.random.split(jax.random.key(1), 4)
+    jaxpr = jax.make_jaxpr(lambda *a: choose_tokens(*a, greedy_only=False))(*args, keys)
+    assert not sorts.search(str(jaxpr))
+    old_rule = jax.make_jaxpr(lambda x: -jnp.sort(-x, axis=-1))(logits)
+    assert sorts.search(str(old_rule))  # the pattern does see a sort

@@ -89,6 +89,9 @@ def accept_tree(
     if not greedy_only:
         sampling_B = temperature_B > 0
         temperature = jnp.where(sampling_B, temperature_B, 1.0)
+        # Greedy rows never read q: unfiltered, they let an all-greedy batch skip filtering.
+        top_k_B = jnp.where(sampling_B, top_k_B, 0)
+        top_p_B = jnp.where(sampling_B, top_p_B, 1.0)
         filtered = filtered_logits(
             logits.reshape(b * t, v), jnp.repeat(temperature_B, t), jnp.repeat(top_k_B, t),
             jnp.repeat(top_p_B, t),

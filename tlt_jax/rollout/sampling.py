@@ -1,6 +1,6 @@
 """Sampling parameters and the token-choice math shared by plain and speculative decoding.
 
-Dimension legend: B batch, V vocab.
+Dimension legend: B batch, V vocab, C candidates pre-selected per row (`PRESELECT`).
 
 Reported logprobs are `log_softmax(logits / temperature)` at the emitted token (temperature 1
 for greedy rows), i.e. the policy's own distribution before top-k / top-p truncation: that is
@@ -36,26 +36,125 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# Candidates `filtered_logits` takes per row with `lax.top_k` before any threshold search:
+# a nucleus or top-k within this many tokens costs one top-k, not a sort of the vocabulary.
+PRESELECT = 256
+
+
 def filtered_logits(
-    logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array
+    logits_BxV: jax.Array,
+    temperature_B: jax.Array,
+    top_k_B: jax.Array,
+    top_p_B: jax.Array,
+    *,
+    preselect: int = PRESELECT,
 ) -> jax.Array:
     """logits / temperature with tokens outside top-k and the top-p nucleus set to -inf.
 
-    Ties at a threshold keep every tied token (a superset of at most a few tokens).
+    Row b keeps the tokens whose scaled logit is >= its threshold: the larger of the k-th
+    largest logit (top_k_B[b] > 0) and the smallest logit of the nucleus, the fewest
+    highest-probability tokens whose mass reaches top_p_B[b] (top_p_B[b] < 1). Ties at a
+    threshold keep every tied token (a superset of at most a few tokens). A row with top_k 0
+    (or >= V) and top_p 1 keeps every token; if no row filters, nothing but the scaling runs.
+
+    The thresholds come from the `preselect` largest logits of each row (`lax.top_k`). Only
+    when some row's top-k or nucleus reaches past them (a flat distribution) does a bisection
+    over the float32 values run, over the whole row; neither path sorts the vocabulary.
+
+    Args:
+      logits_BxV: logits, any float dtype (computed in float32).
+      temperature_B: per-row temperature; rows <= 0 (greedy) are scaled by 1.
+      top_k_B: per-row top-k, 0 disables it.
+      top_p_B: per-row top-p in (0, 1], 1 disables it.
+      preselect: static; candidates per row for the fast path.
+
+    Returns:
+      float32 [B, V]: the scaled logits, -inf where filtered out.
     """
-    temperature = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
-    scaled = logits_BxV.astype(jnp.float32) / temperature
-    vocab = scaled.shape[-1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-    # Number of tokens needed to reach top_p mass (at least one).
-    mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    n_keep = jnp.maximum(jnp.sum(mass_before < top_p_B[:, None], axis=-1), 1)
-    pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
-    keep = (scaled >= kth) & (scaled >= pth)
-    return jnp.where(keep, scaled, -jnp.inf)
+    temperature_Bx1 = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+    scaled_BxV = logits_BxV.astype(jnp.float32) / temperature_Bx1
+    vocab = scaled_BxV.shape[-1]
+    use_k_B = (top_k_B > 0) & (top_k_B < vocab)
+    use_p_B = top_p_B < 1
+    filtering_B = use_k_B | use_p_B
+
+    def truncate(scaled_BxV):
+        threshold_B = _thresholds(scaled_BxV, top_k_B, top_p_B, use_k_B, use_p_B, preselect)
+        keep_BxV = (scaled_BxV >= threshold_B[:, None]) | ~filtering_B[:, None]
+        return jnp.where(keep_BxV, scaled_BxV, -jnp.inf)
+
+    return jax.lax.cond(jnp.any(filtering_B), truncate, lambda x: x, scaled_BxV)
+
+
+def _thresholds(scaled_BxV, top_k_B, top_p_B, use_k_B, use_p_B, preselect):
+    """The smallest kept logit per row (-inf for a row that keeps everything)."""
+    vocab = scaled_BxV.shape[-1]
+    c = min(preselect, vocab)
+    top_BxC, _ = jax.lax.top_k(scaled_BxV, c)  # descending
+    log_norm_Bx1 = jax.nn.logsumexp(scaled_BxV, axis=-1, keepdims=True)
+    probs_BxC = jnp.exp(top_BxC - log_norm_Bx1)
+    cumulative_BxC = jnp.cumsum(probs_BxC, axis=-1)
+    mass_before_BxC = jnp.concatenate([jnp.zeros_like(cumulative_BxC[:, :1]),
+                                       cumulative_BxC[:, :-1]], axis=-1)  # fmt: skip
+    # Tokens needed to reach top_p (at least one); exact when the top c reach it.
+    n_keep_B = jnp.maximum(jnp.sum(mass_before_BxC < top_p_B[:, None], axis=-1), 1)
+    k_inside_B = use_k_B & (top_k_B <= c)
+    p_inside_B = use_p_B & (cumulative_BxC[:, -1] >= top_p_B)
+    kth_B = jnp.take_along_axis(top_BxC, (jnp.clip(top_k_B, 1, c) - 1)[:, None], axis=-1)[:, 0]
+    pth_B = jnp.take_along_axis(top_BxC, (n_keep_B - 1)[:, None], axis=-1)[:, 0]
+    # One threshold inside the top c decides the row: the other one, outside, is lower.
+    threshold_B = jnp.maximum(jnp.where(k_inside_B, kth_B, -jnp.inf),
+                              jnp.where(p_inside_B, pth_B, -jnp.inf))  # fmt: skip
+    decided_B = k_inside_B | p_inside_B | ~(use_k_B | use_p_B)
+
+    def search():
+        searched_B = _searched_thresholds(scaled_BxV, log_norm_Bx1, top_k_B, top_p_B, use_k_B,
+                                          use_p_B)  # fmt: skip
+        return jnp.where(decided_B, threshold_B, searched_B)
+
+    return jax.lax.cond(jnp.all(decided_B), lambda: threshold_B, search)
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """uint32 keys ordered like the float32 values (negative floats have their bits flipped)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _from_order_key(key: jax.Array) -> jax.Array:
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _searched_thresholds(scaled_BxV, log_norm_Bx1, top_k_B, top_p_B, use_k_B, use_p_B):
+    """The same thresholds by bisection over the whole row, for flat distributions.
+
+    The threshold is the largest logit v with at least top_k tokens >= v, or with the tokens
+    >= v holding at least top_p of the mass (the larger of the two where both apply). Both
+    counts only fall as v grows, so bisecting the 2^32 float32 order keys between the row's
+    min and max finds it, an exact row value, in 32 passes. If no value qualifies (the float32
+    mass of the row falls short of top_p), the row's minimum is kept: every token, like the
+    sorted cumulative sum that never reaches top_p.
+    """
+    probs_BxV = jnp.exp(scaled_BxV - log_norm_Bx1)
+    keys_BxV = _order_key(scaled_BxV)
+
+    def qualifies(key_B):
+        at_least_BxV = scaled_BxV >= _from_order_key(key_B)[:, None]
+        count_B = jnp.sum(at_least_BxV, axis=-1, dtype=jnp.int32)
+        mass_B = jnp.sum(jnp.where(at_least_BxV, probs_BxV, 0.0), axis=-1)
+        return (use_k_B & (count_B >= top_k_B)) | (use_p_B & (mass_B >= top_p_B))
+
+    def halve(_, bounds):  # the answer lies in [low, high)
+        low_B, high_B = bounds
+        open_B = high_B - low_B > 1
+        mid_B = low_B + (high_B - low_B) // 2
+        up_B = open_B & qualifies(mid_B)
+        return jnp.where(up_B, mid_B, low_B), jnp.where(open_B & ~up_B, mid_B, high_B)
+
+    bounds = (jnp.min(keys_BxV, axis=-1), jnp.max(keys_BxV, axis=-1) + 1)
+    low_B, _ = jax.lax.fori_loop(0, 32, halve, bounds)
+    return _from_order_key(low_B)
 
 
 def choose_tokens(
@@ -73,7 +172,7 @@ def choose_tokens(
       logits_BxV: float32 logits.
       temperature_B / top_k_B / top_p_B: per-row sampling parameters.
       keys_B: one typed PRNG key per row (ignored by greedy rows).
-      greedy_only: static; skips the sort when every row is greedy.
+      greedy_only: static; every row is greedy (no sampling math is traced).
 
     Returns:
       (tokens_B int32, logprobs_B float32).
@@ -84,7 +183,10 @@ def choose_tokens(
         tokens_B = argmax_B
         logprobs_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
     else:
-        masked = filtered_logits(logits_BxV, temperature_B, top_k_B, top_p_B)
+        # Greedy rows take the argmax: they need no filtering (which an all-greedy batch skips).
+        sampling_B = temperature_B > 0
+        masked = filtered_logits(logits_BxV, temperature_B, jnp.where(sampling_B, top_k_B, 0),
+                                 jnp.where(sampling_B, top_p_B, 1.0))  # fmt: skip
         sampled_B = jax.vmap(jax.random.categorical)(keys_B, masked).astype(jnp.int32)
         tokens_B = jnp.where(temperature_B > 0, sampled_B, argmax_B)
         temperature = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
