@@ -76,11 +76,39 @@ def phase_table(records: list[dict[str, Any]]) -> str:
     for name, values in rows:
         lines.append(f"{name:<9}{np.mean(values):>12.2f}{sum(values):>10.1f}"
                      f"{sum(values) / step_total:>8.1%}")  # fmt: skip
-    tail = np.mean([float(r.get("long_tail_share", 0.0)) for r in records])
-    tps = np.mean([float(r.get("tokens_per_s", 0.0)) for r in records])
-    lines.append(f"rollout long-tail share (time after 90% of requests finished): {tail:.1%}; "
-                 f"generated tokens/s in rollout: {tps:.1f}")  # fmt: skip
+    def mean(key: str) -> float:
+        return float(np.mean([float(r.get(key, 0.0)) for r in records]))
+
+    threshold = int(records[-1].get("sd_threshold", 0))
+    lines.append(f"rollout long tail (decode time with <= {threshold} requests running): "
+                 f"{mean('long_tail_share'):.1%}, {mean('long_tail_s'):.1f} s/step; generated "
+                 f"tokens/s in rollout: {mean('tokens_per_s'):.1f}")  # fmt: skip
+    lines.append(tlt_summary(records))
     return "\n".join(lines)
+
+
+def tlt_summary(records: list[dict[str, Any]]) -> str:
+    """What TLT's adaptive rollout did over the records: SD share of decode steps, acceptance
+    length per draft source, tail seconds that ran SD, and the most chosen arms."""
+    sd = sum(int(r.get("sd_steps", 0)) for r in records)
+    share = float(np.mean([float(r.get("sd_step_share", 0.0)) for r in records]))
+    if not sd:
+        return "TLT: no speculative steps (spec.mode=off, or SD never paid)"
+    sources = sorted({k.removeprefix("accept_len_") for r in records for k in r
+                      if k.startswith("accept_len_")})  # fmt: skip
+    accept = ", ".join(
+        f"{s} {np.mean([r[f'accept_len_{s}'] for r in records if f'accept_len_{s}' in r]):.2f}"
+        for s in sources
+    )
+    choices: dict[str, int] = {}
+    for r in records:
+        for arm, n in (r.get("sd_choices") or {}).items():
+            choices[arm] = choices.get(arm, 0) + int(n)
+    top = ", ".join(f"{a} x{n}" for a, n in sorted(choices.items(), key=lambda kv: -kv[1])[:6])
+    sd_tail = sum(float(r.get("sd_tail_s", 0.0)) for r in records)
+    tail = sum(float(r.get("long_tail_s", 0.0)) for r in records)
+    return (f"TLT: SD in {share:.1%} of decode steps ({sd} steps); acceptance length {accept}; "
+            f"{sd_tail:.1f} of {tail:.1f} tail seconds ran SD; arms (batch bucket/arm) {top}")
 
 
 def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | None = None

@@ -1,0 +1,52 @@
+r"""TLT vs plain GRPO steps side by side (same seeds and prompts): rollout, tail and whole step.
+
+    python scripts/bench_tlt.py --output_json /tmp/bench_tlt.json
+    python scripts/bench_tlt.py --config configs/tiny.py --steps 1 --batch_multipliers 1 \
+        --output_json /tmp/bench_tlt_tiny.json
+
+Runs the config twice in one process, `spec.mode=off` and TLT's adaptive rollouts (the
+config's `spec` group; `adaptive` if it says `off`), from the same weights: first greedy
+rollouts of the same requests on both engines (identical tokens, exact ratios), then
+`--warmup` + `--steps` RL steps per side in alternating order, at the config's batch and at
+each `--batch_multipliers` multiple of it. Ratios are plain / TLT (`tlt_jax/rl/bench_tlt.py`).
+"""
+
+import json
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
+)
+flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
+flags.DEFINE_integer("steps", 2, "Measured RL steps per side.")
+flags.DEFINE_integer("warmup", 1, "RL steps per side run first and not measured.")
+flags.DEFINE_list("batch_multipliers", ["1", "2"], "Prompts per step times these.")
+flags.DEFINE_integer("greedy_repeats", 1, "Timed greedy rollouts per side.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
+    from tlt_jax.rl.bench_tlt import bench_tlt
+
+    command = "python " + " ".join(sys.argv)
+    print(command, flush=True)
+    result = bench_tlt(FLAGS.config, steps=FLAGS.steps, warmup=FLAGS.warmup,
+                       batch_multipliers=tuple(int(m) for m in FLAGS.batch_multipliers),
+                       greedy_repeats=FLAGS.greedy_repeats)  # fmt: skip
+    result["command"] = command
+    with open(FLAGS.output_json, "w") as f:
+        json.dump(result, f, indent=2)
+    summary = {m: {k: v for k, v in r.items() if k not in ("per_step", "calibration")}
+               for m, r in result["by_batch"].items()}  # fmt: skip
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

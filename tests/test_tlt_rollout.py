@@ -1,0 +1,178 @@
+"""TLT's adaptive rollout through the engine: lossless with EAGLE, n-gram and hybrid trees.
+
+(a) greedy rollouts with the adaptive step policy equal plain rollouts token for token (tiny
+model here; SmolLM2 in the slow test); (b) sampled n-gram and hybrid SD match the target's exact
+next-token and 3-token probabilities (chi-square), with top-p too; (c) SD steps report the
+logprobs plain decoding would: log_softmax(logits / T) at the emitted token, checked against a
+full forward of the finished sequences.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_speculative import (
+    ALIGNED,
+    KV_LEN,
+    aligned_pair,
+    chi_square_pvalue,
+    exact_sequence_probs,
+    random_prompts,
+)
+
+from tlt_jax.models.drafter import init_drafter
+from tlt_jax.rollout.adaptive import AdaptivePolicy, BanditConfig, FixedPolicy, StepChoice
+from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+
+SOURCES = ("eagle", "ngram", "hybrid")
+
+
+def _engine(model, drafter=None, batch=8, policy=None, kv_len=KV_LEN):
+    config = EngineConfig(max_batch_size=batch, max_prefill_batch=batch, max_seq_len=kv_len,
+                          min_kv_bucket=kv_len)  # fmt: skip
+    return RolloutEngine(model, config, drafter=drafter, step_policy=policy)
+
+
+def _long_tail_requests(prompts, sampling=SamplingParams(), seed=0):
+    """A long tail: most requests stop early, two run to 40 tokens."""
+    lengths = [6, 8, 10, 12, 14, 16, 40, 40]
+    return [Request(p, n, sampling, seed=seed + i) for i, (p, n) in
+            enumerate(zip(prompts, lengths, strict=True))]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return aligned_pair(**ALIGNED)
+
+
+@pytest.mark.parametrize("include_plain", [False, True], ids=["sd_only", "with_plain"])
+def test_adaptive_greedy_rollout_equals_plain(pair, include_plain):
+    model, drafter = pair
+    # GRPO-like groups: 4 prompts, 2 samples each (siblings feed the n-gram index).
+    prompts = [p for p in random_prompts(4, model.config.vocab_size, seed=5) for _ in range(2)]
+    want = _engine(model, drafter).generate(_long_tail_requests(prompts))
+    policy = AdaptivePolicy(BanditConfig(
+        threshold=4, warmup_steps=2, bucket_bounds=(1, 2, 3),
+        strategies=(("3,2,6", "5,1,6"), ("3,1,4",), ("2,1,3",)), sources=SOURCES,
+        include_plain=include_plain, seed=0, epsilon=0.3,
+    ))  # fmt: skip
+    engine = _engine(model, drafter, policy=policy)
+    for _ in range(2):  # the second rollout also drafts from the first one's responses
+        got = engine.generate(_long_tail_requests(prompts))
+        for w, g in zip(want, got, strict=True):
+            assert g.token_ids == w.token_ids
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+    stats = engine.stats
+    assert stats.spec_steps > 0 and stats.decode_steps > 0
+    # SD only in the tail: never with more than 4 running, and only after 2 steps there.
+    arms = [(n, arm) for _, n, arm in stats.timeline]
+    assert all(n <= 4 for n, arm in arms if arm != "plain")
+    if not include_plain:
+        assert set(stats.spec_rows_by_source) == set(SOURCES)
+        for source in SOURCES:  # tokens per row-step >= 1 (the correction / bonus token)
+            assert stats.spec_tokens_by_source[source] >= stats.spec_rows_by_source[source]
+        assert stats.spec_tokens_by_source["eagle"] > 1.3 * stats.spec_rows_by_source["eagle"]
+
+
+def test_ngram_drafts_need_no_drafter_and_accept_on_repetitive_text(pair):
+    model, _ = pair
+    # A random tiny model falls into loops quickly: suffix matches then pay.
+    prompts = random_prompts(8, model.config.vocab_size, seed=9)
+    requests = [Request(p, 40) for p in prompts]
+    want = _engine(model).generate(requests)
+    engine = _engine(model, policy=FixedPolicy(StepChoice("4,1,5", "ngram")))
+    got = engine.generate(requests)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.state.draft is None and engine.stats.spec_steps > 0
+    accept = engine.stats.spec_tokens_by_source["ngram"] / engine.stats.spec_rows_by_source["ngram"]
+    assert accept > 1.5, accept
+    with pytest.raises(ValueError, match="needs a drafter"):
+        engine.step_policy = FixedPolicy(StepChoice("4,1,5", "hybrid"))
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    model, drafter = aligned_pair(vocab=12, logit_scale=8.0, **ALIGNED)
+    return model, drafter
+
+
+ROWS = 2048
+SETTINGS = {"t1": SamplingParams(temperature=1.0), "t07p09": SamplingParams(0.7, top_p=0.9)}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("source", ["ngram", "hybrid"])
+def test_sampled_ngram_and_hybrid_sd_match_the_target_distribution(small_vocab, source,
+                                                                    setting):  # fmt: skip
+    """ROWS samples of 3 tokens after a repetitive prompt, each request a GRPO sibling of the
+    others (the n-gram index drafts from the prompt and the siblings' responses)."""
+    model, drafter = small_vocab
+    sampling = SETTINGS[setting]
+    prompt = (3, 7, 1, 10, 3, 7, 1, 10, 3)
+    requests = [Request(prompt, 4, sampling, seed=1000 + i) for i in range(ROWS)]
+    engine = _engine(model, drafter, batch=64, kv_len=32,
+                     policy=FixedPolicy(StepChoice("3,3,8", source)))  # fmt: skip
+    done = engine.generate(requests)
+    # The first token comes from prefill (plain sampling); the next three from SD steps.
+    first = np.array([c.token_ids[0] for c in done])
+    samples = np.array([c.token_ids[1:4] for c in done])
+    vocab = model.config.vocab_size
+    for token in np.unique(first)[:2]:  # condition on the prefill token
+        rows = samples[first == token]
+        if len(rows) < 300:
+            continue
+        probs = exact_sequence_probs(model, np.array(prompt + (int(token),)), sampling)
+        p_first, _ = chi_square_pvalue(np.bincount(rows[:, 0], minlength=vocab),
+                                       probs.sum((1, 2)))  # fmt: skip
+        p_seq, _ = chi_square_pvalue(
+            np.bincount(np.ravel_multi_index(rows.T, (vocab,) * 3), minlength=vocab**3), probs)
+        assert p_first > 1e-4 and p_seq > 1e-4, (token, p_first, p_seq)
+    stats = engine.stats
+    assert stats.spec_tokens_by_source[source] > 1.2 * stats.spec_rows_by_source[source]
+
+
+def test_sd_logprobs_are_the_plain_logprobs_of_the_emitted_tokens(pair):
+    model, drafter = pair
+    sampling = SamplingParams(temperature=0.8, top_p=0.95)
+    prompts = [p for p in random_prompts(4, model.config.vocab_size, seed=13) for _ in range(2)]
+    policy = FixedPolicy(StepChoice("3,2,6", "hybrid"))
+    done = _engine(model, drafter, policy=policy).generate(
+        _long_tail_requests(prompts, sampling, seed=7))
+    assert any(len(c.accepted_lengths) for c in done)
+    for c in done:
+        tokens = np.array(c.prompt_ids + tuple(c.token_ids), np.int32)[None]
+        positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
+        features, _ = model(jnp.asarray(tokens), jnp.asarray(positions))
+        logits = model.logits(features)[0, len(c.prompt_ids) - 1 : -1] / sampling.temperature
+        want = jnp.take_along_axis(jax.nn.log_softmax(logits, -1),
+                                   jnp.asarray(c.token_ids)[:, None], -1)[:, 0]  # fmt: skip
+        np.testing.assert_allclose(c.logprobs, want, atol=2e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_adaptive_greedy_equals_plain():
+    """Real SmolLM2 (random-init drafter: lossless whatever it drafts), all three sources."""
+    from tlt_jax.data.tokenizer import PromptEncoder, stop_token_ids
+    from tlt_jax.models import checkpoints
+
+    name = "smollm2-135m-instruct"
+    model = checkpoints.load_model(name)
+    tokenizer = checkpoints.load_tokenizer(name)
+    encode = PromptEncoder(tokenizer)
+    questions = ["What is 3 + 4 + 5? Think step by step.", "Count from 1 to 8."]
+    prompts = [encode(q) for q in questions for _ in range(2)]
+    stops = stop_token_ids(tokenizer)
+    requests = [Request(p, n, stop_ids=stops) for p, n in zip(prompts, (24, 32, 40, 48),
+                                                                strict=True)]  # fmt: skip
+    drafter = init_drafter(model.config, 0)
+    want = _engine(model, drafter, batch=4, kv_len=256).generate(requests)
+    policy = AdaptivePolicy(BanditConfig(
+        threshold=2, warmup_steps=1, bucket_bounds=(1, 2), strategies=(("3,2,6",), ("2,1,3",)),
+        sources=SOURCES, include_plain=False))  # fmt: skip
+    engine = _engine(model, drafter, batch=4, kv_len=256, policy=policy)
+    got = engine.generate(requests)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert set(engine.stats.spec_rows_by_source) == set(SOURCES)

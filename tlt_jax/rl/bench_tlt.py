@@ -1,0 +1,187 @@
+"""TLT vs plain RL steps, side by side: the whole step, reward and sync included.
+
+Two trainers of the same config, same seeds and prompts: one with `spec.mode=off` (plain
+rollouts), one with TLT's adaptive rollouts (`spec.mode=adaptive`, the config's drafter or
+model-free drafts). Both start from the same weights. The TLT trainer resolves the SD threshold
+first (calibration); the plain one counts its long tail at the same threshold.
+
+1. Greedy rollouts of the same requests on both engines at the initial weights: the tokens are
+   identical (checked), so the ratios are exact (`*_greedy`).
+2. RL steps at the config's temperature, alternating which side runs first, after `warmup`
+   steps each. SD draws different samples from the same distribution, so response lengths
+   differ between the sides: the sampled ratios are reported as the mean and spread of
+   per-step ratios.
+
+Ratios are plain / TLT: `rollout_speedup`, `long_tail_speedup` (decode seconds with at most
+`threshold` requests running), `step_speedup`; plus `accept_len_*` per draft source,
+`sd_step_share`, `long_tail_share` and `ceiling_step_speedup` (the plain step if its tail cost
+nothing: step / (step - tail seconds), from the measured split).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from tlt_jax.metrics import timing
+from tlt_jax.metrics.timing import PHASES
+from tlt_jax.rl.config import TrainConfig
+from tlt_jax.rl.trainer import Trainer
+from tlt_jax.rollout.engine import Request
+from tlt_jax.rollout.sampling import SamplingParams
+
+
+def _scaled(cfg: TrainConfig, multiplier: int) -> TrainConfig:
+    prompts = cfg.rl.prompts_per_step * multiplier
+    rl = dataclasses.replace(cfg.rl, prompts_per_step=prompts)
+    rollout = dataclasses.replace(cfg.rollout, max_batch_size=max(cfg.rollout.max_batch_size,
+                                                                  rl.batch_size))  # fmt: skip
+    return dataclasses.replace(cfg, rl=rl, rollout=rollout)
+
+
+def _greedy(trainers: dict[str, Trainer], examples: list[dict], repeats: int, threshold: int):
+    """Times the same greedy requests on both engines (alternating; the first run of each
+    compiles); returns per-side best seconds, tail seconds and whether tokens matched."""
+    any_trainer = next(iter(trainers.values()))
+    cfg = any_trainer.config
+    g = cfg.rl.group_size
+    requests = [Request(any_trainer.encode(ex["question"]), cfg.rollout.max_new_tokens,
+                        SamplingParams(), any_trainer.stop_ids, seed=i * g + j)
+                for i, ex in enumerate(examples) for j in range(g)]  # fmt: skip
+    out: dict[str, dict[str, Any]] = {name: {"s": [], "tail_s": []} for name in trainers}
+    tokens = {}
+    for repeat in range(repeats + 1):
+        order = list(trainers) if repeat % 2 == 0 else list(reversed(trainers))
+        for name in order:
+            engine = trainers[name].engine
+            start = time.perf_counter()
+            done = engine.generate(requests, progress=False)
+            seconds = time.perf_counter() - start
+            tokens[name] = [c.token_ids for c in done]
+            if repeat:  # the first pass compiles
+                out[name]["s"].append(seconds)
+                out[name]["tail_s"].append(
+                    timing.tail_stats(engine.stats.timeline, threshold)["long_tail_s"])
+    identical = tokens["plain"] == tokens["tlt"]
+    result = {name: {"rollout_s": min(v["s"]), "long_tail_s": min(v["tail_s"])}
+              for name, v in out.items()}  # fmt: skip
+    return result, identical, sum(len(t) for t in tokens["plain"])
+
+
+def _ratio_stats(plain: list[float], tlt: list[float]) -> dict[str, float]:
+    ratios = [p / t for p, t in zip(plain, tlt, strict=True) if t > 0]
+    if not ratios:
+        return {"mean": float("nan"), "min": float("nan"), "max": float("nan")}
+    return {"mean": float(np.mean(ratios)), "min": float(np.min(ratios)),
+            "max": float(np.max(ratios))}  # fmt: skip
+
+
+def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
+              ) -> dict[str, Any]:  # fmt: skip
+    """Both sides at one batch size (module docstring)."""
+    tlt_cfg = cfg if cfg.spec.mode != "off" else dataclasses.replace(
+        cfg, spec=dataclasses.replace(cfg.spec, mode="adaptive"))  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench_tlt_") as workdir:
+        trainers: dict[str, Trainer] = {}
+        try:
+            trainers["tlt"] = Trainer(tlt_cfg, f"{workdir}/tlt", progress=False)
+            threshold = trainers["tlt"].threshold
+            plain_cfg = dataclasses.replace(cfg, spec=dataclasses.replace(
+                tlt_cfg.spec, mode="off", threshold=max(threshold, 1)))  # fmt: skip
+            trainers["plain"] = Trainer(plain_cfg, f"{workdir}/plain", progress=False)
+            trainers = {"plain": trainers["plain"], "tlt": trainers["tlt"]}
+            for trainer in trainers.values():
+                trainer.precompile()
+            probe = next(trainers["plain"].iterator)
+            assert probe == next(trainers["tlt"].iterator), "the two sides drew other prompts"
+            greedy, identical, greedy_tokens = _greedy(trainers, probe, greedy_repeats, threshold)
+            records: dict[str, list[dict]] = {"plain": [], "tlt": []}
+            for k in range(warmup + steps):
+                examples = {name: next(t.iterator) for name, t in trainers.items()}
+                assert examples["plain"] == examples["tlt"], "the two sides drew other prompts"
+                order = list(trainers) if k % 2 == 0 else list(reversed(trainers))
+                for name in order:
+                    record = trainers[name].run_step(examples[name])
+                    if k >= warmup:
+                        records[name].append(record)
+            calibration = trainers["tlt"].workdir / "spec_calibration.json"
+            calibration = calibration.read_text() if calibration.is_file() else None
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
+
+    def series(name: str, key: str) -> list[float]:
+        return [float(r.get(key, 0.0)) for r in records[name]]
+
+    def mean(name: str, key: str) -> float:
+        return float(np.mean(series(name, key)))
+
+    plain_step, plain_tail = mean("plain", "step_time"), mean("plain", "long_tail_s")
+    sources = sorted({k for r in records["tlt"] for k in r if k.startswith("accept_len_")})
+    choices: dict[str, int] = {}
+    for r in records["tlt"]:
+        for arm, n in r["sd_choices"].items():
+            choices[arm] = choices.get(arm, 0) + n
+    return {
+        "batch": {"prompts": cfg.rl.prompts_per_step, "group_size": cfg.rl.group_size,
+                  "sequences": cfg.rl.batch_size},
+        "threshold": threshold,
+        "calibration": calibration,
+        "greedy": {**greedy, "tokens_identical": identical, "tokens": greedy_tokens,
+                   "rollout_speedup_greedy": greedy["plain"]["rollout_s"]
+                   / greedy["tlt"]["rollout_s"],
+                   "long_tail_speedup_greedy": greedy["plain"]["long_tail_s"]
+                   / max(greedy["tlt"]["long_tail_s"], 1e-9)},
+        "phase_s": {name: {p: mean(name, f"time_{p}") for p in PHASES} for name in records},
+        "step_time_s": {name: mean(name, "step_time") for name in records},
+        "rollout_speedup": _ratio_stats(series("plain", "time_rollout"),
+                                        series("tlt", "time_rollout")),
+        "long_tail_speedup": _ratio_stats(series("plain", "long_tail_s"),
+                                          series("tlt", "long_tail_s")),
+        "step_speedup": _ratio_stats(series("plain", "step_time"), series("tlt", "step_time")),
+        "ceiling_step_speedup": plain_step / max(plain_step - plain_tail, 1e-9),
+        "long_tail_share": mean("plain", "long_tail_share"),
+        "sd_step_share": mean("tlt", "sd_step_share"),
+        **{k: mean("tlt", k) for k in sources},
+        "sd_choices": choices,
+        "generated_tokens": {name: mean(name, "generated_tokens") for name in records},
+        "response_len_p50": {name: mean(name, "response_len_p50") for name in records},
+        "response_len_max": {name: max(series(name, "response_len_max")) for name in records},
+        "reward_mean": {name: mean(name, "reward_mean") for name in records},
+        "per_step": {name: [{k: v for k, v in r.items() if k != "response_lengths"}
+                            for r in rs] for name, rs in records.items()},
+    }  # fmt: skip
+
+
+def bench_tlt(config: Any, *, steps: int = 2, warmup: int = 1,
+              batch_multipliers: tuple[int, ...] = (1, 2),
+              greedy_repeats: int = 1) -> dict[str, Any]:  # fmt: skip
+    """Plain vs TLT RL steps at the config's batch and multiples of it.
+
+    Args:
+      config: a `TrainConfig` or `ConfigDict` (its `spec` group configures the TLT side).
+      steps / warmup: measured and unmeasured (compiling) RL steps per side.
+      batch_multipliers: prompts per step are multiplied by these (1, 2: the default batch and
+        twice it).
+      greedy_repeats: timed greedy rollouts per side (after one compiling pass).
+
+    Returns:
+      JSON-serialisable results per multiplier (`by_batch`) and the machine.
+    """
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_config_dict(config)
+    return {
+        "model": cfg.model.name or cfg.model.preset,
+        "max_new_tokens": cfg.rollout.max_new_tokens,
+        "temperature": cfg.rollout.temperature,
+        "machine": {"platform": platform.platform(), "processor": platform.processor()},
+        "steps_measured": steps,
+        "warmup_steps": warmup,
+        "by_batch": {str(m): bench_one(_scaled(cfg, m), steps=steps, warmup=warmup,
+                                       greedy_repeats=greedy_repeats)
+                     for m in batch_multipliers},
+    }  # fmt: skip
