@@ -299,3 +299,46 @@ def test_kl_to_the_frozen_initial_policy(tmp_path):
     without = Trainer(tiny_config(total_steps=1), tmp_path / "no_kl", progress=False)
     assert without.reference_params is None  # kl_coef == 0 keeps no reference copy
     without.close()
+
+
+def test_tlt_adaptive_rollouts_in_the_rl_loop_and_the_bandit_resumes(tmp_path):
+    # Random tiny models rarely stop early (no tail): a threshold of the whole batch (8).
+    # epsilon 1: uniform arms, so both arms run whatever the timings are.
+    spec = {"spec.mode": "adaptive", "spec.threshold": 8, "spec.warmup_steps": 1,
+            "spec.epsilon": 1.0,
+            "spec.bucket_bounds": (1, 2, 3), "spec.strategies": ("3,1,4", "2,1,3", "1,1,2"),
+            "rollout.max_new_tokens": 24}  # fmt: skip
+    config = tiny_config(total_steps=2, checkpoint_every=2, **spec)
+    trainer = Trainer(config, tmp_path, progress=False)
+    assert trainer.threshold == 8
+    records = trainer.train()
+    rewards = trainer.engine.step_policy.median_rewards()
+    trainer.close()
+    for record in records:
+        assert 0 < record["sd_step_share"] < 1 and record["sd_threshold"] == 8
+        assert record["accept_len_ngram"] >= 1.0
+        assert sum(record["sd_choices"].values()) == record["sd_steps"] + sum(
+            n for arm, n in record["sd_choices"].items() if arm.endswith("/plain"))
+        assert 0 < record["long_tail_share"] <= 1 and record["sd_tail_s"] > 0
+        assert record["logprob_diff"] < 1e-4  # SD steps report the trainer's logprobs
+    assert rewards and any("ngram" in arm for arm in rewards)
+    # The bandit's windows and random stream are in the checkpoint.
+    resumed = Trainer(config, tmp_path, progress=False)
+    assert resumed.restored_from == 2
+    assert resumed.engine.step_policy.median_rewards() == rewards
+    resumed.close()
+
+
+def test_spec_threshold_is_calibrated_at_start_without_a_file(tmp_path):
+    config = tiny_config(total_steps=1, **{"spec.mode": "adaptive"})
+    trainer = Trainer(config, tmp_path, progress=False)
+    trainer.close()
+    saved = json.loads((tmp_path / "spec_calibration.json").read_text())
+    assert set(saved["plain_ms"]) == {"1", "2", "4", "8"}
+    assert saved["threshold"] == trainer.threshold
+    ratios = saved["cost_ratio"]
+    want = max((int(b) for b, r in ratios.items() if r < saved["max_cost_ratio"]), default=0)
+    assert trainer.threshold == want
+    with pytest.raises(FileNotFoundError, match="spec.calibration_file='/nowhere.json'"):
+        Trainer(tiny_config(**{"spec.mode": "adaptive", "spec.calibration_file": "/nowhere.json"}),
+                tmp_path / "other", progress=False)  # fmt: skip

@@ -597,6 +597,7 @@ class RolloutEngine:
             max_len = max(r.cache_len for r in running)
             n = len(running)
             choice = policy.choose(n)
+            compiled = self.stats.compile_count
             dispatched = time.perf_counter()
             if choice is None:
                 tokens, logprobs = self._run_decode(running, max_len)
@@ -607,7 +608,8 @@ class RolloutEngine:
             else:
                 emitted = self._spec_step(running, max_len, choice)
                 now = time.perf_counter()
-            policy.record(choice, n, emitted, now - dispatched)
+            if self.stats.compile_count == compiled:  # a step that compiled is no reward
+                policy.record(choice, n, emitted, now - dispatched)
             self.stats.timeline.append((now - start, n, arm_name(choice)))
             running = self._retire(running, done, now, bar)
         if bar is not None:
