@@ -251,3 +251,24 @@ def test_no_filtering_is_only_scaling_and_nothing_sorts():
     assert not sorts.search(str(jaxpr))
     old_rule = jax.make_jaxpr(lambda x: -jnp.sort(-x, axis=-1))(logits)
     assert sorts.search(str(old_rule))  # the pattern does see a sort
+
+
+def test_inverse_cdf_sampling_is_categorical_and_never_draws_zero_mass():
+    from scipy import stats
+
+    from tlt_jax.rollout.sampling import sample_from_probs
+
+    weights = np.array([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 4.5], np.float32)  # unnormalised
+    n = 20000
+    keys = jax.random.split(jax.random.key(3), n)
+    draws = np.asarray(jax.jit(sample_from_probs)(keys, jnp.broadcast_to(weights, (n, 7))))
+    counts = np.bincount(draws, minlength=7)
+    assert counts[[0, 2, 5]].sum() == 0
+    expected = weights / weights.sum() * n
+    keep = expected > 0
+    assert stats.chisquare(counts[keep], expected[keep]).pvalue > 1e-4
+    # One-hot rows and a single-token vocabulary.
+    one_hot = np.zeros((4, 5), np.float32)
+    one_hot[np.arange(4), [4, 0, 2, 3]] = 1.0
+    np.testing.assert_array_equal(sample_from_probs(keys[:4], jnp.asarray(one_hot)), [4, 0, 2, 3])
+    assert int(sample_from_probs(keys[:1], jnp.ones((1, 1)))[0]) == 0

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.rollout.sampling import filtered_logits
+from tlt_jax.rollout.sampling import filtered_logits, sample_from_probs
 
 RESIDUALS = ("exact", "buggy_no_removal")  # the second only exists to prove the tests can fail
 
@@ -118,10 +118,14 @@ def accept_tree(
         # u in [0, 1) and a strict `<`: a child with q = 0 is never accepted.
         sample_hit = child_BxTxT & (uniform_BxT[..., None] * total_BxT[..., None]
                                     < cumulative_BxTxT)  # fmt: skip
-        residual_logits = filtered
+        residual_q = q_BxTxV
         if residual == "exact":
-            residual_logits = jnp.where(removed_BxTxV, -jnp.inf, filtered)
-        residual_BxT = jax.vmap(jax.vmap(jax.random.categorical))(split[..., 1], residual_logits)
+            residual_q = jnp.where(removed_BxTxV, 0.0, q_BxTxV)
+        # All of q on the tried children (rest 0) never reaches the residual draw: a child is
+        # accepted for sure; the draw then only needs some mass to stay finite.
+        residual_q = jnp.where(rest_BxT[..., None] > 0, residual_q, q_BxTxV)
+        residual_BxT = sample_from_probs(split[..., 1].reshape(b * t),
+                                         residual_q.reshape(b * t, v)).reshape(b, t)
         hit_BxTxT = jnp.where(sampling_B[:, None, None], sample_hit, hit_BxTxT)
         final_BxT = jnp.where(sampling_B[:, None], residual_BxT.astype(jnp.int32), argmax_BxT)
     # The first accepted child of every node, -1 if none.

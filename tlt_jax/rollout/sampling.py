@@ -157,6 +157,29 @@ def _searched_thresholds(scaled_BxV, log_norm_Bx1, top_k_B, top_p_B, use_k_B, us
     return _from_order_key(low_B)
 
 
+def sample_from_probs(keys_B: jax.Array, probs_BxV: jax.Array) -> jax.Array:
+    """One draw per row from (unnormalised) probabilities, by inverse CDF.
+
+    Exactly categorical sampling (up to float32 rounding of the cumulative sum) from one
+    uniform per row: Gumbel-max (`jax.random.categorical`) draws V uniforms per row, which on
+    XLA:CPU cost more than the sampled decode step's forward at batch 32 (78 vs 10 ms for
+    [32, 49152]). Zero-probability tokens are never drawn: the chosen index is the first
+    whose cumulative mass exceeds u in [0, total).
+
+    Args:
+      keys_B: one typed PRNG key per row.
+      probs_BxV: non-negative weights, each row with positive mass.
+
+    Returns:
+      int32 [B] token ids.
+    """
+    cdf_BxV = jnp.cumsum(probs_BxV.astype(jnp.float32), axis=-1)
+    total_B = cdf_BxV[..., -1]
+    u_B = jax.vmap(jax.random.uniform)(keys_B) * total_B
+    index_B = jnp.sum(cdf_BxV <= u_B[..., None], axis=-1, dtype=jnp.int32)
+    return jnp.minimum(index_B, probs_BxV.shape[-1] - 1)
+
+
 def choose_tokens(
     logits_BxV: jax.Array,
     temperature_B: jax.Array,
@@ -187,7 +210,7 @@ def choose_tokens(
         sampling_B = temperature_B > 0
         masked = filtered_logits(logits_BxV, temperature_B, jnp.where(sampling_B, top_k_B, 0),
                                  jnp.where(sampling_B, top_p_B, 1.0))  # fmt: skip
-        sampled_B = jax.vmap(jax.random.categorical)(keys_B, masked).astype(jnp.int32)
+        sampled_B = sample_from_probs(keys_B, jax.nn.softmax(masked, axis=-1))
         tokens_B = jnp.where(temperature_B > 0, sampled_B, argmax_B)
         temperature = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
         logprobs_BxV = jax.nn.log_softmax(logits_BxV / temperature, axis=-1)
