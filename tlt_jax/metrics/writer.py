@@ -1,26 +1,81 @@
-"""Per-step metrics: one JSON object a line in `metrics.jsonl`, and TensorBoard event files."""
+"""Per-step metrics: one JSON object a line in `metrics.jsonl`, and TensorBoard event files.
+
+A record's values may be numbers, lists (e.g. `response_lengths`) or dicts (e.g. `sd_choices`,
+'bucket/arm' -> steps). The JSON line keeps every value as it is (numpy scalars and arrays become
+Python numbers and lists, non-finite floats the strings "nan" / "inf"). TensorBoard holds numbers
+only: numbers are scalars, numeric lists histograms, and dicts are flattened into one scalar per
+key under the dict's name (`sd_choices/4/ngram_4_1_5`; characters TensorBoard does not allow in
+a tag become `_`). Strings and other values are JSON only.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+_TAG_INVALID = re.compile(r"[^-/\w.]")  # what tensorboardX's own tag cleaning replaces
 
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
     if isinstance(value, np.generic):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN / inf; "nan" / "inf" keep the record readable
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
     return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool | np.bool_
+    )
+
+
+def tensorboard_values(record: dict[str, Any]) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """What `MetricsWriter.write` sends to TensorBoard for one record.
+
+    Args:
+      record: a step record; `step` is the x axis and not itself a value.
+
+    Returns:
+      (scalars, histograms), both keyed by tag: numbers as scalars; numeric lists as histograms
+      of their finite values (left out when there are none); nested dicts flattened with '/'
+      into the same two kinds; strings, bools and empty lists left out.
+    """
+    scalars: dict[str, float] = {}
+    histograms: dict[str, np.ndarray] = {}
+
+    def visit(tag: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                visit(f"{tag}/{key}", item)
+            return
+        tag = _TAG_INVALID.sub("_", tag)
+        if _is_number(value):
+            scalars[tag] = float(value)
+        elif isinstance(value, list | tuple | np.ndarray) and len(value):
+            array = np.asarray(value)
+            if array.dtype.kind in "iuf":
+                array = array[np.isfinite(array)]  # a NaN makes tensorboardX's histogram fail
+                if array.size:
+                    histograms[tag] = array
+
+    for key, value in record.items():
+        if key != "step":
+            visit(key, value)
+    return scalars, histograms
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -36,8 +91,8 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    """Appends step records to `metrics.jsonl` and scalars (and a length histogram) to
-    TensorBoard under `workdir/tensorboard`.
+    """Appends step records to `metrics.jsonl` and their numbers to TensorBoard under
+    `workdir/tensorboard` (see the module docstring for lists and dicts).
 
     On resume from checkpoint step k, `truncate_after(k)` drops the records of steps after k,
     which the resumed run recomputes, so the file holds each step once.
@@ -60,21 +115,19 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Appends one step record (must have `step`); lists go to JSON only (and histograms)."""
+        """Appends one step record (must have `step`): all of it to JSON, its numbers, numeric
+        lists and flattened dicts to TensorBoard."""
         step = int(record["step"])
-        clean = {k: _jsonable(v) for k, v in record.items()}
+        line = json.dumps(_jsonable(record))  # before writing: a bad value leaves no half line
         with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
+            f.write(line + "\n")
         if self._tb is None:
             return
-        for key, value in record.items():
-            if key == "step":
-                continue
-            if isinstance(value, list | tuple):
-                if value:
-                    self._tb.add_histogram(key, np.asarray(value), step)
-            elif isinstance(value, int | float | np.generic) and not isinstance(value, bool):
-                self._tb.add_scalar(key, float(value), step)
+        scalars, histograms = tensorboard_values(record)
+        for tag, value in scalars.items():
+            self._tb.add_scalar(tag, value, step)
+        for tag, values in histograms.items():
+            self._tb.add_histogram(tag, values, step)
         self._tb.flush()
 
     def close(self) -> None:

@@ -1,0 +1,238 @@
+"""Plots of a run and of one rollout's timeline, and metrics records with dict / list fields."""
+
+import json
+import math
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from tlt_jax.metrics import plots, timing
+from tlt_jax.metrics.writer import MetricsWriter, read_metrics, tensorboard_values
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+THRESHOLD = 4
+
+
+def assert_png(path, min_width=300):
+    assert path.is_file()
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    assert path.stat().st_size > 5_000  # axes, ticks and text, not a blank canvas
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width >= min_width and height >= 200
+
+
+def synthetic_timeline(tail_arm="ngram:4,1,5"):
+    """16 requests, one finishing every 4 steps; at most THRESHOLD running from step 48 on, where
+    `tail_arm` runs every step but every fourth (plain, as the bandit's plain arm)."""
+    rows, t = [], 0.0
+    for step in range(64):
+        running = 16 - step // 4
+        arm = tail_arm if running <= THRESHOLD and step % 4 else "plain"
+        t += 0.01 if arm == "plain" else 0.004
+        rows.append((t, running, arm))
+    return rows
+
+
+def greenish_pixels(path):
+    """Pixels of the n-gram shading (tab:green blended over white or grey)."""
+    rgb = matplotlib.image.imread(path)[..., :3] * 255.0
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    return int(((g - r > 30) & (g - b > 30)).sum())
+
+
+def tlt_record(step, **overrides):
+    record = {
+        "step": step,
+        "reward_mean": 0.1 * step,
+        "accuracy": 0.05 * step,
+        "sd_step_share": 0.25,
+        "sd_steps": 12,
+        "sd_threshold": THRESHOLD,
+        "accept_len_ngram": 2.5,
+        "accept_len_eagle": float("nan"),
+        "sd_choices": {"1/ngram:4,1,5": np.int64(7), "2/plain": 3, "4/eagle:8,4,16": 2},
+        "long_tail_share": 0.4,
+        "long_tail_s": 0.8,
+        "sd_tail_s": 0.5,
+        "rollout_decode_s": 2.0,
+        "response_lengths": [np.int64(n) for n in (3, 17, 40, 64, 64)],
+        **{f"time_{phase}": 0.1 for phase in timing.PHASES},
+    }
+    record.update(overrides)
+    return record
+
+
+def test_rollout_timeline_shades_sd_steps_and_keeps_the_timeline(tmp_path):
+    timeline = synthetic_timeline()
+    paths = plots.save_timeline(timeline, THRESHOLD, tmp_path / plots.TIMELINE_FILE,
+                                title="step 3 rollout")  # fmt: skip
+    assert paths == [tmp_path / "rollout_timeline.json", tmp_path / "rollout_timeline.png"]
+    assert_png(paths[1], min_width=600)
+    doc = json.loads(paths[0].read_text())
+    stats = timing.tail_stats(timeline, THRESHOLD)
+    assert {k: doc[k] for k in stats} == pytest.approx(stats)
+    assert 0.0 < doc["long_tail_share"] < 1.0 and doc["sd_tail_s"] > 0.0
+    rows, threshold = plots.load_timeline(paths[0])
+    assert threshold == THRESHOLD and rows == [(pytest.approx(t), n, a) for t, n, a in timeline]
+
+    # The n-gram steps are shaded in their colour; a plain rollout has none of it.
+    plain = plots.plot_rollout_timeline(synthetic_timeline("plain"), THRESHOLD,
+                                        tmp_path / "plain.png")  # fmt: skip
+    assert_png(plain, min_width=600)
+    assert greenish_pixels(plain) == 0
+    assert greenish_pixels(paths[1]) > 2_000  # the tail's bands, far more than a legend patch
+
+
+def test_timeline_rows_without_arm_are_plain(tmp_path):
+    timeline = [(0.1, 8), (0.2, 3), (0.3, 1)]
+    path = plots.plot_rollout_timeline(timeline, 3, tmp_path / "t.png")
+    assert_png(path)
+    assert greenish_pixels(path) == 0
+    json_path, _ = plots.save_timeline(timeline, 3, tmp_path / "t.json")
+    assert plots.load_timeline(json_path)[0] == [(0.1, 8, "plain"), (0.2, 3, "plain"),
+                                                 (0.3, 1, "plain")]  # fmt: skip
+
+
+def test_arm_source():
+    assert plots.arm_source("ngram:4,1,5") == "ngram"
+    assert plots.arm_source("eagle:8,4,16") == "eagle"
+    assert plots.arm_source("plain") == "plain"
+
+
+def test_length_histogram(tmp_path):
+    lengths = [3, 17, 17, 40, 64, 64, 64, 100]
+    assert_png(plots.plot_length_histogram(lengths, 100, tmp_path / "h.png"))
+    assert_png(plots.plot_length_histogram(lengths, None, tmp_path / "nocap.png"))
+
+
+def test_tlt_vs_plain(tmp_path):
+    tlt = [tlt_record(s, time_rollout=1.0) for s in range(1, 6)]
+    plain = [tlt_record(s, time_rollout=2.0, reward_mean=0.1 * s + 0.01) for s in range(1, 6)]
+    path = plots.plot_tlt_vs_plain(tlt, plain, tmp_path / "sub" / "vs.png")
+    assert_png(path, min_width=800)
+    assert_png(plots.plot_tlt_vs_plain(tlt, [], tmp_path / "tlt_only.png"), min_width=800)
+
+
+def test_empty_inputs_write_a_plot_that_says_so(tmp_path):
+    """The choice made for empty inputs: never raise (plots run inside the training loop), write
+    the PNG with "no data" text; `write_plots` with no records writes nothing."""
+    assert_png(plots.plot_rollout_timeline([], THRESHOLD, tmp_path / "t.png"))
+    assert plots.save_timeline([], THRESHOLD, tmp_path / "t.json")[0].is_file()
+    assert plots.load_timeline(tmp_path / "t.json") == ([], THRESHOLD)
+    assert_png(plots.plot_length_histogram([], 64, tmp_path / "h.png"))
+    assert_png(plots.plot_length_histogram([], None, tmp_path / "h0.png"))
+    assert_png(plots.plot_tlt_vs_plain([], [], tmp_path / "vs.png"))
+    # A rollout that never reached the threshold: no tail, still a plot.
+    assert_png(plots.plot_rollout_timeline([(0.1, 8, "plain")], 2, tmp_path / "notail.png"))
+    assert plots.write_plots([], tmp_path / "none") == []
+    assert not (tmp_path / "none").exists()
+
+
+def test_wrong_inputs_raise(tmp_path):
+    with pytest.raises(ValueError, match="threshold=-1"):
+        plots.plot_rollout_timeline([(0.1, 2, "plain")], -1, tmp_path / "t.png")
+    with pytest.raises(ValueError, match=r"timeline\[1\]"):
+        plots.save_timeline([(0.1, 2, "plain"), (0.2,)], 2, tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_write_plots_with_tlt_fields_after_a_jsonl_round_trip(tmp_path):
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    for step in range(1, 4):
+        # accept_len_eagle is NaN ("nan" in JSON); step 2 ran no SD at all.
+        writer.write(tlt_record(step, sd_choices={} if step == 2 else tlt_record(0)["sd_choices"]))
+    records = read_metrics(tmp_path)
+    paths = plots.write_plots(records, tmp_path / "plots", cap=64)
+    assert paths == [tmp_path / "plots" / name for name in plots.PLOT_FILES]
+    for path in paths:
+        assert_png(path)
+
+
+def test_write_plots_without_tlt_fields(tmp_path):
+    records = [{"step": s, "reward_mean": 0.1, "accuracy": 0.2, "response_lengths": [1, 2]}
+               for s in (1, 2)]  # fmt: skip
+    paths = plots.write_plots(records, tmp_path)
+    assert [p.name for p in paths] == list(plots.PLOT_FILES[:4])
+    assert not (tmp_path / "tlt_per_step.png").exists()
+    # A last step without response lengths still gets its (empty) histogram.
+    paths = plots.write_plots(records + [{"step": 3, "reward_mean": 0.1}], tmp_path / "b")
+    assert_png(paths[3])
+
+
+def test_writer_round_trips_dict_and_list_fields(tmp_path):
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    record = tlt_record(1, extra={"nested": {"a": np.float32(0.5)}, "bad": float("inf")},
+                        array=np.arange(3), note="text")  # fmt: skip
+    writer.write(record)
+    writer.write(tlt_record(2))
+    first, second = read_metrics(tmp_path)
+    assert first["sd_choices"] == {"1/ngram:4,1,5": 7, "2/plain": 3, "4/eagle:8,4,16": 2}
+    assert first["response_lengths"] == [3, 17, 40, 64, 64]
+    assert first["extra"] == {"nested": {"a": 0.5}, "bad": "inf"}
+    assert first["array"] == [0, 1, 2] and first["note"] == "text"
+    assert first["accept_len_eagle"] == "nan" and first["accept_len_ngram"] == 2.5
+    assert second["step"] == 2 and second["sd_choices"] == first["sd_choices"]
+    # Resume: the records of later steps go; dicts and lists survive the rewrite.
+    writer.truncate_after(1)
+    assert read_metrics(tmp_path) == [first]
+
+
+def test_tensorboard_values_flatten_dicts_and_keep_numbers():
+    record = tlt_record(5, skipped=True, note="text", empty=[], nested={"a": {"b": 2}})
+    scalars, histograms = tensorboard_values(record)
+    assert "step" not in scalars
+    assert scalars["sd_choices/1/ngram_4_1_5"] == 7.0  # ':' and ',' are not allowed in tags
+    assert scalars["sd_choices/2/plain"] == 3.0
+    assert scalars["sd_choices/4/eagle_8_4_16"] == 2.0
+    assert scalars["nested/a/b"] == 2.0
+    assert scalars["sd_step_share"] == 0.25 and scalars["sd_threshold"] == THRESHOLD
+    assert math.isnan(scalars["accept_len_eagle"])
+    assert "sd_choices" not in scalars and "skipped" not in scalars and "note" not in scalars
+    assert set(histograms) == {"response_lengths"}
+    np.testing.assert_array_equal(histograms["response_lengths"], [3, 17, 40, 64, 64])
+    _, histograms = tensorboard_values({"step": 1, "x": [1.0, float("nan")], "y": [float("nan")]})
+    assert set(histograms) == {"x"} and histograms["x"].tolist() == [1.0]
+
+
+class RecordingSummaryWriter:
+    def __init__(self, logdir):
+        self.logdir, self.scalars, self.histograms = logdir, {}, {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[tag, step] = value
+
+    def add_histogram(self, tag, values, step):
+        self.histograms[tag, step] = list(values)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_writer_sends_flattened_values_to_tensorboard(tmp_path, monkeypatch):
+    import tensorboardX
+
+    tb = RecordingSummaryWriter(None)
+
+    def summary_writer(logdir):
+        tb.logdir = logdir
+        return tb
+
+    monkeypatch.setattr(tensorboardX, "SummaryWriter", summary_writer)
+    writer = MetricsWriter(tmp_path)
+    writer.write(tlt_record(3))
+    assert tb.logdir == str(tmp_path / "tensorboard")
+    assert tb.scalars["sd_choices/1/ngram_4_1_5", 3] == 7.0
+    assert tb.scalars["long_tail_share", 3] == 0.4
+    assert ("accept_len_ngram", 3) in tb.scalars and ("step", 3) not in tb.scalars
+    assert tb.histograms == {("response_lengths", 3): [3, 17, 40, 64, 64]}
+
+
+def test_writer_tensorboard_accepts_a_tlt_record(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.write(tlt_record(1))
+    writer.close()
+    assert any(p.stat().st_size > 0 for p in (tmp_path / "tensorboard").iterdir())
