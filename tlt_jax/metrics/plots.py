@@ -79,8 +79,8 @@ def _save(fig, path: str | os.PathLike) -> Path:
     return path
 
 
-def _no_data(ax, text: str = "no data") -> None:
-    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="gray",
+def _no_data(ax, text: str = "no data", y: float = 0.5) -> None:
+    ax.text(0.5, y, text, transform=ax.transAxes, ha="center", va="center", color="gray",
             fontsize=12)  # fmt: skip
 
 
@@ -187,7 +187,7 @@ def plot_rollout_timeline(timeline: Sequence[Sequence[Any]], threshold: int,
             (x0 + x1) / 2, "center")  # fmt: skip
         ax.text(x, y, text, ha=ha, va="bottom", fontsize=9, zorder=4, bbox=_TEXT_BOX)
     else:
-        _no_data(ax, f"no long tail: never <= {threshold} running")
+        _no_data(ax, f"no long tail: never <= {threshold} running", y=0.92)  # above the steps
     sd_steps = sum(s != PLAIN_ARM for s in sources)
     ax.set_title(f"{title}: {len(ends)} decode steps, {sd_steps} SD, {edges[-1]:.2f} s")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8, frameon=False)
