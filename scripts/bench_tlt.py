@@ -33,6 +33,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
+    from tlt_jax.metrics import plots
     from tlt_jax.rl.bench_tlt import bench_tlt
 
     command = "python " + " ".join(sys.argv)
@@ -43,7 +44,17 @@ def main(argv):
     result["command"] = command
     with open(FLAGS.output_json, "w") as f:
         json.dump(result, f, indent=2)
-    summary = {m: {k: v for k, v in r.items() if k not in ("per_step", "calibration")}
+    stem = FLAGS.output_json.removesuffix(".json")
+    for m, r in result["by_batch"].items():
+        # Reward and accuracy of both sides per step (same seeds), and each side's last
+        # rollout: running requests over time with SD steps shaded.
+        plots.plot_tlt_vs_plain(r["per_step"]["tlt"], r["per_step"]["plain"],
+                                f"{stem}_x{m}_reward.png")  # fmt: skip
+        for name, timeline in r["last_timeline"].items():
+            plots.plot_rollout_timeline(timeline, r["threshold"], f"{stem}_x{m}_{name}.png",
+                                        title=f"{name} rollout, batch x{m}")  # fmt: skip
+    hidden = ("per_step", "calibration", "last_timeline", "response_lengths")
+    summary = {m: {k: v for k, v in r.items() if k not in hidden}
                for m, r in result["by_batch"].items()}  # fmt: skip
     print(json.dumps(summary, indent=2))
 

@@ -109,6 +109,7 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
                     record = trainers[name].run_step(examples[name])
                     if k >= warmup:
                         records[name].append(record)
+            timelines = {name: t._last_timeline for name, t in trainers.items()}
             calibration = trainers["tlt"].workdir / "spec_calibration.json"
             calibration = calibration.read_text() if calibration.is_file() else None
         finally:
@@ -155,6 +156,9 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
         "reward_mean": {name: mean(name, "reward_mean") for name in records},
         "per_step": {name: [{k: v for k, v in r.items() if k != "response_lengths"}
                             for r in rs] for name, rs in records.items()},
+        "last_timeline": timelines,
+        "response_lengths": {name: [r["response_lengths"] for r in rs]
+                             for name, rs in records.items()},
     }  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from tlt_jax.checkpointing.manager import RunCheckpointer
 from tlt_jax.data.pipeline import PromptIterator, load_data
 from tlt_jax.data.tokenizer import stop_token_ids
 from tlt_jax.metrics import timing
-from tlt_jax.metrics.plots import write_plots
+from tlt_jax.metrics.plots import TIMELINE_FILE, save_timeline, write_plots
 from tlt_jax.metrics.progress import progress_bar
 from tlt_jax.metrics.writer import MetricsWriter, read_metrics
 from tlt_jax.parallel import sharding as sharding_lib
@@ -164,6 +164,7 @@ class Trainer:
         self.writer = MetricsWriter(self.workdir)
         self.writer.truncate_after(self.step_count)
         self._nonfinite_streak = 0
+        self._last_timeline: list = []
 
     # -- compilation ---------------------------------------------------------------------------
 
@@ -270,6 +271,7 @@ class Trainer:
                        dict(stats.spec_tokens_by_source))  # fmt: skip
         with timer.phase("rollout"):
             completions = self.engine.generate(requests, progress=self.progress)
+        self._last_timeline = list(stats.timeline)  # a copy: evaluate()'s generate clears it
         with timer.phase("reward"):
             texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                      for c in completions]  # fmt: skip
@@ -466,7 +468,13 @@ class Trainer:
                                self.config.to_dict(), extra)  # fmt: skip
 
     def plot(self) -> list[Path]:
-        return write_plots(read_metrics(self.workdir), self.workdir / "plots")
+        """Per-step plots, and the last rollout's timeline (running requests, SD shaded)."""
+        out = self.workdir / "plots"
+        paths = write_plots(read_metrics(self.workdir), out, cap=self.config.rollout.max_new_tokens)
+        if self._last_timeline:
+            paths += save_timeline(self._last_timeline, self.threshold, out / TIMELINE_FILE,
+                                   title=f"step {self.step_count} rollout")  # fmt: skip
+        return paths
 
     def evaluate(self, num_problems: int | None = None) -> evaluation.EvalResult:
         """Greedy accuracy of the engine's current weights on the first problems of the

@@ -94,7 +94,7 @@ def _step_ms(timeline, batch: int) -> float:
     """Median milliseconds of the steps that ran at exactly `batch` requests."""
     times = np.diff([0.0] + [t for t, *_ in timeline])
     ran = [dt for dt, (_, n, *_) in zip(times, timeline, strict=True) if n == batch]
-    return 1e3 * float(np.median(ran[1:] if len(ran) > 2 else ran))
+    return 1e3 * float(np.median(ran[1:] if len(ran) > 2 else ran))  # the first holds prefill
 
 
 def calibrate(engine, *, verify_tokens: int = 4, max_batch: int | None = None,
@@ -125,20 +125,26 @@ def calibrate(engine, *, verify_tokens: int = 4, max_batch: int | None = None,
     choice = StepChoice(SpecStrategy(max(verify_tokens - 1, 1), 1, verify_tokens), "ngram")
     saved = engine.step_policy
     plain_ms, verify_ms = {}, {}
+    above = 0
     try:
         for b in buckets:
             requests = [Request(tuple(int(t) for t in rng.integers(0, vocab, prompt_len)),
                                 steps + 2, sampling, (), seed=i)  # fmt: skip
                         for i in range(b)]
+            warm = [dataclasses.replace(r, max_new_tokens=2) for r in requests]
             for policy, out in ((PlainPolicy(), plain_ms), (FixedPolicy(choice), verify_ms)):
                 engine.step_policy = policy
-                engine.generate(requests)  # compiles this bucket's programs off the clock
+                engine.generate(warm)  # compiles this bucket's programs off the clock
                 engine.generate(requests)
                 out[b] = _step_ms(engine.stats.timeline, b)
+            # The ratio grows with the batch: two buckets past the bound end the search.
+            above = above + 1 if verify_ms[b] / plain_ms[b] >= max_cost_ratio else 0
+            if above == 2:
+                break
     finally:
         engine.step_policy = saved
-    ratio = {b: verify_ms[b] / plain_ms[b] for b in buckets}
-    threshold = max((b for b in buckets if ratio[b] < max_cost_ratio), default=0)
+    ratio = {b: verify_ms[b] / plain_ms[b] for b in plain_ms}
+    threshold = max((b for b in ratio if ratio[b] < max_cost_ratio), default=0)
     import jax
 
     return Calibration(threshold, verify_tokens, max_cost_ratio, plain_ms, verify_ms,

@@ -576,6 +576,8 @@ class RolloutEngine:
         self.stats.timeline = []
         policy = self.step_policy
         policy.begin()
+        if self.ngram is not None:  # an interrupted generate() leaves its requests live
+            self.ngram.finish_all(keep=False)
         while queue or running:
             # Admit queued requests into free slots, one prefill per group.
             while queue and len(running) < cfg.max_batch_size:
