@@ -4,8 +4,10 @@ r"""Plain-decoding throughput of the rollout engine vs HF transformers, side by 
 
 Measures, for SmolLM2-135M-Instruct greedy decoding with the same prompt and lengths:
 generated tokens/s at batch 1, 8 and 32 for tlt_jax and transformers' `generate`, and
-their ratio; the decode step time at context 128 vs 2048; the memory-bandwidth floor at
-batch 1 (parameter bytes / measured copy bandwidth) and the fraction of it reached.
+their ratio; the engine's decode step time at context 128 vs 2048 (the median step of a
+generate call, from `EngineStats.timeline`: `tlt_jax.rollout.bench.decode_step_ms`); the
+memory-bandwidth floor at batch 1 (parameter bytes / measured copy bandwidth) and the fraction
+of it reached.
 """
 
 import json
@@ -42,11 +44,11 @@ def time_engine(engine, prompt, batch, new_tokens, repeats):
     from tlt_jax.rollout.engine import Request
 
     requests = [Request(prompt, new_tokens, seed=i) for i in range(batch)]
-    engine.generate(requests)  # compiles every program this shape mix needs
+    engine.generate(requests, progress=False)  # compiles every program this shape mix needs
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        out = engine.generate(requests)
+        out = engine.generate(requests, progress=False)
         best = min(best, time.perf_counter() - start)
     assert all(len(c.token_ids) == new_tokens for c in out)
     return batch * new_tokens / best
@@ -67,36 +69,12 @@ def time_transformers(hf, prompt, batch, new_tokens, repeats):
     return batch * new_tokens / best
 
 
-def decode_step_seconds(model, kv_len: int, iters: int = 20) -> float:
-    """Median time of one compiled batch-1 decode step attending to `kv_len` positions."""
-    import functools
-
-    import jax
-    from flax import nnx
-
-    from tlt_jax.rollout.engine import DecodeState, _decode
-
-    graphdef, params = nnx.split(model)
-    state = DecodeState.create(model.config, 1, kv_len)
-    state = state.replace(lengths=state.lengths + kv_len - 1)
-    fn = jax.jit(functools.partial(_decode, graphdef, batch=1, kv_len=kv_len, greedy_only=True),
-                 donate_argnums=(1,))  # fmt: skip
-    state, tok, _ = fn(params, state)
-    times = []
-    for _ in range(iters):
-        state = state.replace(lengths=state.lengths - 1)
-        start = time.perf_counter()
-        state, tok, _ = fn(params, state)
-        tok.block_until_ready()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def main(argv):
     del argv
     import jax
 
     from tlt_jax.models import checkpoints
+    from tlt_jax.rollout import bench
     from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 
     command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
@@ -134,8 +112,9 @@ def main(argv):
                 f"transformers batch {batch:3d}: {results['transformers'][str(batch)]:8.1f} tok/s"
             )
     ratio = {b: results["tlt_jax"][b] / results["transformers"][b] for b in results["transformers"]}
-    step_128 = decode_step_seconds(model, 128)
-    step_2048 = decode_step_seconds(model, 2048)
+    # The engine's batch-1 plain step (host work included) at one kv bucket of 128 / 2048.
+    step_128 = bench.decode_step_ms(model, 128) / 1e3
+    step_2048 = bench.decode_step_ms(model, 2048) / 1e3
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx_state(model)))
     bandwidth = copy_bandwidth_gbs()
     # A batch-1 decode step must stream every parameter through the cores once.

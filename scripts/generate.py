@@ -7,9 +7,12 @@ Each input line has `prompt` (raw text, encoded as given) or `messages` (chat, t
 tokenizer); generation stops on the ids RL stops on (`tlt_jax.data.tokenizer.stop_token_ids`:
 eos and end-of-turn tokens such as `<|im_end|>`). Each output line has `index`, `text`,
 `token_ids`, `logprobs`, `finish_reason`, `accepted_lengths` (one entry per speculative step),
-in input order. Speculative decoding with an EAGLE drafter:
+in input order. Speculative decoding with an EAGLE drafter (or model-free n-gram drafts, or
+both merged into one tree):
 
   python scripts/generate.py ... --drafter /path/to/eagle_dir --spec_strategy 8,4,48
+  python scripts/generate.py ... --draft ngram --spec_strategy 4,1,5
+  python scripts/generate.py ... --drafter /path/to/eagle_dir --draft hybrid
 """
 
 from absl import app, flags
@@ -28,6 +31,8 @@ flags.DEFINE_integer("max_batch_size", 32, "Concurrent requests (slots).")
 flags.DEFINE_integer("max_seq_len", 2048, "Prompt + generated tokens per request at most.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
 flags.DEFINE_string("drafter", "", "Exported HF-EAGLE drafter dir: speculative decoding on.")
+flags.DEFINE_enum("draft", "", ["", "eagle", "ngram", "hybrid"], "Draft source (default: eagle "
+                  "with --drafter, plain without; ngram needs no drafter).")  # fmt: skip
 flags.DEFINE_string("spec_strategy", "8,4,48", "SD strategy depth,topk,verify_tokens.")
 flags.DEFINE_integer("hot_vocab", 2048, "Draft over this many hot tokens (0: full vocabulary).")
 flags.DEFINE_integer("spec_max_batch", 0, "SD only at <= this many running requests (0: always).")
@@ -43,8 +48,8 @@ def main(argv):
         model=f.model, prompts=f.prompts, output=f.output, max_new_tokens=f.max_new_tokens,
         temperature=f.temperature, top_p=f.top_p, top_k=f.top_k, seed=f.seed,
         max_batch_size=f.max_batch_size, max_seq_len=f.max_seq_len, dtype=f.dtype,
-        drafter=f.drafter, spec_strategy=f.spec_strategy, spec_max_batch=f.spec_max_batch,
-        hot_vocab=f.hot_vocab, drafter_sync=f.drafter_sync,
+        drafter=f.drafter, draft=f.draft, spec_strategy=f.spec_strategy,
+        spec_max_batch=f.spec_max_batch, hot_vocab=f.hot_vocab, drafter_sync=f.drafter_sync,
     )  # fmt: skip
     summary = generate.run(config)
     print(
@@ -54,8 +59,8 @@ def main(argv):
         f"-> {f.output}"
     )
     if summary["spec_steps"]:
-        print(f"{summary['spec_steps']} speculative steps, mean accepted length "
-              f"{summary['mean_accepted_length']:.2f}")  # fmt: skip
+        print(f"{summary['spec_steps']} speculative steps ({summary['draft']} drafts), mean "
+              f"accepted length {summary['mean_accepted_length']:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

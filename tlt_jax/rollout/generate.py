@@ -11,6 +11,7 @@ from typing import Any
 
 from tlt_jax.data.pipeline import read_prompt_rows
 from tlt_jax.data.tokenizer import PromptEncoder, stop_token_ids
+from tlt_jax.rollout.adaptive import DRAFT_SOURCES, FixedPolicy, PlainPolicy, StepChoice
 from tlt_jax.rollout.engine import (
     DRAFTER_SYNC,
     Completion,
@@ -36,10 +37,18 @@ class GenerateConfig:
     max_seq_len: int = 2048
     dtype: str = "float32"
     drafter: str = ""  # an exported HF-EAGLE drafter directory: speculative decoding on
-    spec_strategy: str = "8,4,48"  # depth,topk,verify_tokens (used with a drafter)
+    # Draft source: eagle | ngram (model-free, no drafter needed) | hybrid; "": eagle with a
+    # drafter, plain decoding without.
+    draft: str = ""
+    spec_strategy: str = "8,4,48"  # depth,topk,verify_tokens (used whenever SD is on)
     hot_vocab: int = 2048  # draft over the drafter dir's hot_vocab.json top ids (0: full head)
     spec_max_batch: int = 0  # SD only at or under this many running requests (0: always)
     drafter_sync: str = "eager"  # plain steps keep the drafter in sync, or leave it behind
+
+    @property
+    def source(self) -> str | None:
+        """The draft source of every SD step (None: plain decoding)."""
+        return self.draft or ("eagle" if self.drafter else None)
 
     def __post_init__(self):
         # SamplingParams and Request validate the rest with their own messages.
@@ -47,6 +56,11 @@ class GenerateConfig:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
         SpecStrategy.parse(self.spec_strategy)
+        if self.draft not in ("", *DRAFT_SOURCES):
+            raise ValueError(f"draft={self.draft!r} is not one of {['', *DRAFT_SOURCES]}")
+        if self.draft in ("eagle", "hybrid") and not self.drafter:
+            raise ValueError(f"draft={self.draft!r} needs drafter= (an exported HF-EAGLE "
+                             "drafter directory); draft='ngram' needs none")  # fmt: skip
         if self.spec_max_batch < 0:
             raise ValueError(f"spec_max_batch={self.spec_max_batch} must be >= 0 (0: always)")
         if self.drafter_sync not in DRAFTER_SYNC:
@@ -95,7 +109,7 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     requests = build_requests(tokenizer, rows, config)
     model = checkpoints.load_model(config.model, param_dtype=config.dtype, dtype=config.dtype)
     drafter, hot_ids = None, None
-    if config.drafter:
+    if config.source in ("eagle", "hybrid"):
         from tlt_jax.drafter.export import load_eagle
         from tlt_jax.drafter.hot_vocab import load_hot_vocab
 
@@ -103,18 +117,21 @@ def run(config: GenerateConfig) -> dict[str, Any]:
         hot_file = Path(config.drafter) / "hot_vocab.json"
         if config.hot_vocab and hot_file.is_file():
             hot_ids = load_hot_vocab(hot_file, config.hot_vocab, model.config.vocab_size)
+    policy = PlainPolicy()
+    if config.source is not None:
+        choice = StepChoice(SpecStrategy.parse(config.spec_strategy), config.source)
+        policy = FixedPolicy(choice, config.spec_max_batch or None)
     engine = RolloutEngine(
         model,
         EngineConfig(
             max_batch_size=config.max_batch_size,
             max_seq_len=config.max_seq_len,
             max_prefill_batch=min(8, config.max_batch_size),
-            spec_strategy=SpecStrategy.parse(config.spec_strategy) if drafter else None,
-            spec_max_batch=config.spec_max_batch or None,
             drafter_sync=config.drafter_sync,
-        ),  # fmt: skip
+        ),
         drafter=drafter,
         hot_token_ids=hot_ids,
+        step_policy=policy,
     )
     engine.validate(requests)
     start = time.perf_counter()
@@ -133,6 +150,7 @@ def run(config: GenerateConfig) -> dict[str, Any]:
         "tokens_per_s": tokens / elapsed,
         "compile_count": engine.stats.compile_count,
         "compile_seconds": engine.stats.compile_seconds,
+        "draft": config.source,
         "spec_steps": engine.stats.spec_steps,
         "mean_accepted_length": _mean([n for c in completions for n in c.accepted_lengths]),
         "spec_switch_seconds": engine.stats.spec_switch_seconds,

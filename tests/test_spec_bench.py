@@ -1,0 +1,152 @@
+"""The benchmark library (`rollout.bench`, `rollout.spec_bench`) end to end on tiny models:
+expected keys, SD tokens == plain greedy tokens for every draft source, config errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_speculative import ALIGNED, aligned_pair, plain_greedy, random_prompts
+
+from tlt_jax.rollout import bench, spec_bench
+from tlt_jax.rollout.adaptive import StepChoice
+from tlt_jax.rollout.engine import Request
+from tlt_jax.rollout.speculative import SpecStrategy
+
+TINY = dict(num_prompts=1, max_new_tokens=8, sweep_new_tokens=6, grid="2x3", topk=2,
+            batch_sizes=(1, 2), switch_batches=(2,), switch_lags=(3,), repeats=1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def aligned():
+    return aligned_pair(**ALIGNED)
+
+
+def test_median_step_ms_by_hand():
+    # Steps end at 0.1, 0.3, 0.4, 0.6 s: 100, 200, 100, 200 ms with 2, 2, 1, 2 running.
+    timeline = [(0.1, 2, "plain"), (0.3, 2, "plain"), (0.4, 1, "ngram:4,1,5"), (0.6, 2, "plain")]
+    assert bench.median_step_ms(timeline, 2) == pytest.approx(200.0)  # first step skipped
+    assert bench.median_step_ms(timeline, 1) == pytest.approx(100.0)
+    assert bench.median_step_ms(timeline) == pytest.approx(200.0)  # 200, 100, 200
+
+
+@pytest.mark.parametrize("source", [None, "eagle", "ngram", "hybrid"])
+def test_run_point_tokens_equal_plain_greedy(aligned, source):
+    model, drafter = aligned
+    prompts = random_prompts(2, model.config.vocab_size, seed=5)
+    want = plain_greedy(model, prompts, 10)  # a separate plain engine
+    choice = None if source is None else StepChoice(SpecStrategy(2, 2, 3), source)
+    engine = bench.make_engine(model, drafter, 2, bench.kv_length(prompts, 10), ngram=True)
+    group = [[Request(p, 10) for p in prompts]]
+    bench.warm_up(engine, group, choice, None)
+    point = bench.run_point(engine, group, choice, None, repeats=1)
+    assert point["outputs"] == [want]
+    assert point["decode_tokens"] == 2 * 9 and point["clean_runs"] == 1
+    if source is None:
+        assert point["sd_steps"] == 0 and point["steps"] == 9
+    else:
+        # One accepted length per running row and SD step; rows may finish at different steps.
+        assert 0 < point["steps"] <= point["sd_steps"] <= 2 * point["steps"]
+    if source in ("eagle", "hybrid"):  # the aligned drafter is right about half the time
+        assert point["accept_len"] > 1.3
+    # `compare` must notice a single changed token.
+    changed = [[w[:-1] + [w[-1] ^ 1] for w in want]]
+    row = bench.compare(dict(point, outputs=changed), point)
+    assert row["matches_plain"] is False and bench.compare(point, point)["matches_plain"]
+
+
+def test_bench_fixed_eagle_keys_and_parity(aligned):
+    model, drafter = aligned
+    prompts = random_prompts(2, model.config.vocab_size, seed=7)
+    config = spec_bench.SpecBenchConfig(drafter="tiny", draft="eagle", **TINY)
+    out = spec_bench.bench_fixed(model, drafter, prompts, config, hot_ids=np.arange(128))
+    assert out["draft"] == "eagle" and out["all_match_plain"] is True
+    # One hot-vocabulary point and the full-vocabulary one at its depth.
+    assert [(r["strategy"], r["hot_vocab"]) for r in out["grid"]] == [
+        ("2,2,3", True),
+        ("2,2,3", False),
+    ]
+    assert set(out["bs_sweep"]) == {"1", "2"}
+    assert out["accept_len_bs1"] > 1.0 and out["hot_vocab"]["size"] == 128
+    assert 0.0 < out["hot_vocab"]["coverage_of_plain_outputs"] <= 1.0
+    assert out["crossover_batch"] in (None, 1, 2)
+    switch = out["switch_cost"]["2"]
+    assert set(switch) == {"catchup", "plain_step_ms", "eager_plain_step_ms", "eager_overhead"}
+    assert switch["catchup"]["3"]["catchup_tokens"] == 2 * 3  # 3 plain steps on 2 rows
+    breakdown = out["step_breakdown_bs1"]
+    for key in (
+        "draft_full_ms",
+        "tree_ms",
+        "verify_ms",
+        "verify_accept_ms",
+        "break_even_accept_len",
+        "sd_host_overhead_ms",
+        "plain_step_median_ms",
+    ):
+        assert breakdown[key] > 0 or key == "sd_host_overhead_ms", key
+    assert set(breakdown["target_forward_ms_by_tokens"]) == {"1", "2", "4", "8", "16"}
+
+
+def test_bench_fixed_ngram_runs_without_a_drafter(aligned):
+    model, _ = aligned
+    prompts = random_prompts(2, model.config.vocab_size, seed=8)
+    config = spec_bench.SpecBenchConfig(**{**TINY, "batch_sizes": (2,)})
+    assert config.source == "ngram"
+    out = spec_bench.bench_fixed(model, None, prompts, config)
+    assert out["draft"] == "ngram" and out["all_match_plain"] is True
+    assert [r["source"] for r in out["grid"]] == ["ngram"] and out["hot_vocab"] is None
+    assert out["switch_cost"] is None and out["step_breakdown_bs1"] is None
+    assert out["grid"][0]["sd_steps"] > 0 and set(out["bs_sweep"]) == {"2"}
+
+
+def test_bench_adaptive_keys_parity_and_every_arm_tried(aligned):
+    model, drafter = aligned
+    prompts = random_prompts(2, model.config.vocab_size, seed=9)
+    bandit = spec_bench.adaptive_bandit(2, has_drafter=True)
+    assert (bandit.threshold, bandit.warmup_steps) == (2, 0)
+    assert bandit.sources == ("eagle", "ngram", "hybrid") and bandit.include_plain
+    out = bench.bench_adaptive(model, drafter, prompts, bandit, batches=(1, 2), new_tokens=8,
+                               repeats=2)  # fmt: skip
+    assert out["all_match_plain"] is True and set(out["batches"]) == {"1", "2"}
+    assert out["goal"] == 0.98 and out["goal_met"] == (out["min_adaptive_over_plain"] >= 0.98)
+    for batch, row in out["batches"].items():
+        assert len(row["plain_tokens_per_s"]["runs"]) == len(row["adaptive_tokens_per_s"]["runs"])
+        assert row["adaptive_over_plain"] == pytest.approx(
+            row["adaptive_tokens_per_s"]["median"] / row["plain_tokens_per_s"]["median"]
+        )
+        # Untried arms go first, so the warm-up runs tried plain and every (strategy, source).
+        strategy = bandit.strategies[bandit.beg_bucket(int(batch))][0]
+        want = {f"{batch}/plain"} | {f"{batch}/{s}:{strategy}" for s in bandit.sources}
+        assert want <= set(row["median_rewards"]), row["median_rewards"]
+        # At most 7 decode steps per timed run (8 tokens, the first from prefill), SD fewer.
+        runs = len(row["plain_tokens_per_s"]["runs"])
+        assert runs <= sum(row["arm_steps"].values()) <= 7 * runs
+        assert 0.0 <= row["sd_step_share"] <= 1.0
+    only_ngram = spec_bench.adaptive_bandit(2, has_drafter=True, source="ngram")
+    assert only_ngram.sources == ("ngram",)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(draft="eagle"), "draft='eagle' needs drafter="),
+    (dict(draft="medusa"), "draft='medusa' is not one of"),
+    (dict(grid="2x9", topk=1), "grid='2x9' topk=1: no valid strategy"),
+    (dict(grid="2;4"), "grid='2;4' must look like"),
+    (dict(batch_sizes=(0, 2)), "batch_sizes=(0, 2) must be integers >= 1"),
+    (dict(sweep_new_tokens=1), "sweep_new_tokens=1 must be >= 2"),
+    (dict(full_vocab="some"), "full_vocab='some' is not one of"),
+])  # fmt: skip
+def test_config_errors_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        spec_bench.SpecBenchConfig(**kwargs)
+
+
+def test_generate_config_draft_source():
+    from tlt_jax.rollout.generate import GenerateConfig
+
+    assert GenerateConfig().source is None  # plain decoding
+    assert GenerateConfig(drafter="eagle_dir").source == "eagle"
+    assert GenerateConfig(draft="ngram").source == "ngram"  # model-free: no drafter needed
+    assert GenerateConfig(drafter="eagle_dir", draft="hybrid").source == "hybrid"
+    with pytest.raises(ValueError, match="draft='hybrid' needs drafter="):
+        GenerateConfig(draft="hybrid")
+    with pytest.raises(ValueError, match="draft='medusa' is not one of"):
+        GenerateConfig(draft="medusa")
