@@ -334,9 +334,12 @@ def test_spec_threshold_is_calibrated_at_start_without_a_file(tmp_path):
     trainer = Trainer(config, tmp_path, progress=False)
     trainer.close()
     saved = json.loads((tmp_path / "spec_calibration.json").read_text())
-    assert set(saved["plain_ms"]) == {"1", "2", "4", "8"}
-    assert saved["threshold"] == trainer.threshold
+    timed = [int(b) for b in saved["plain_ms"]]
     ratios = saved["cost_ratio"]
+    assert timed == [1, 2, 4, 8][: len(timed)] and timed
+    if len(timed) < 4:  # stopped early: two buckets in a row past the bound
+        assert all(ratios[str(b)] >= saved["max_cost_ratio"] for b in timed[-2:])
+    assert saved["threshold"] == trainer.threshold
     want = max((int(b) for b, r in ratios.items() if r < saved["max_cost_ratio"]), default=0)
     assert trainer.threshold == want
     with pytest.raises(FileNotFoundError, match="spec.calibration_file='/nowhere.json'"):
