@@ -21,8 +21,11 @@ config_flags.DEFINE_config_file(
     "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
 )
 flags.DEFINE_string("output_json", None, "Where to write the calibration.", required=True)
-flags.DEFINE_integer("verify_tokens", 0, "Tree tokens per verify step (0: the smallest budget "
-                     "of the config's spec.strategies).")
+flags.DEFINE_integer(
+    "verify_tokens",
+    0,
+    "Tree tokens per verify step (0: the smallest budget of the config's spec.strategies).",
+)
 flags.DEFINE_float("max_cost_ratio", 2.0, "SD is tried where verify / plain is below this.")
 flags.DEFINE_integer("max_batch", 0, "Largest batch bucket timed (0: the engine's largest).")
 
@@ -39,7 +42,8 @@ def main(argv):
     print(command, flush=True)
     cfg = TrainConfig.from_config_dict(FLAGS.config)
     verify = FLAGS.verify_tokens or min(
-        SpecStrategy.parse(s.split("|")[0]).verify_tokens for s in cfg.spec.strategies)
+        SpecStrategy.parse(s.split("|")[0]).verify_tokens for s in cfg.spec.strategies
+    )
     engine = policy.build_engine(cfg, policy.build_policy(cfg.model, policy.build_mesh(cfg.model)))
     result = calibrate(engine, verify_tokens=verify, max_batch=FLAGS.max_batch or None,
                        temperature=cfg.rollout.temperature, max_cost_ratio=FLAGS.max_cost_ratio,

@@ -318,7 +318,8 @@ def test_tlt_adaptive_rollouts_in_the_rl_loop_and_the_bandit_resumes(tmp_path):
         assert 0 < record["sd_step_share"] < 1 and record["sd_threshold"] == 8
         assert record["accept_len_ngram"] >= 1.0
         assert sum(record["sd_choices"].values()) == record["sd_steps"] + sum(
-            n for arm, n in record["sd_choices"].items() if arm.endswith("/plain"))
+            n for arm, n in record["sd_choices"].items() if arm.endswith("/plain")
+        )
         assert 0 < record["long_tail_share"] <= 1 and record["sd_tail_s"] > 0
         assert record["logprob_diff"] < 1e-4  # SD steps report the trainer's logprobs
     assert rewards and any("ngram" in arm for arm in rewards)

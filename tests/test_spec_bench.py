@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from test_speculative import ALIGNED, aligned_pair, plain_greedy, random_prompts
 
+from tlt_jax.metrics import timing
 from tlt_jax.rollout import bench, spec_bench
 from tlt_jax.rollout.adaptive import StepChoice
 from tlt_jax.rollout.engine import Request
@@ -24,9 +25,9 @@ def aligned():
 def test_median_step_ms_by_hand():
     # Steps end at 0.1, 0.3, 0.4, 0.6 s: 100, 200, 100, 200 ms with 2, 2, 1, 2 running.
     timeline = [(0.1, 2, "plain"), (0.3, 2, "plain"), (0.4, 1, "ngram:4,1,5"), (0.6, 2, "plain")]
-    assert bench.median_step_ms(timeline, 2) == pytest.approx(200.0)  # first step skipped
-    assert bench.median_step_ms(timeline, 1) == pytest.approx(100.0)
-    assert bench.median_step_ms(timeline) == pytest.approx(200.0)  # 200, 100, 200
+    assert timing.median_step_ms(timeline, 2) == pytest.approx(200.0)  # first step skipped
+    assert timing.median_step_ms(timeline, 1) == pytest.approx(100.0)
+    assert timing.median_step_ms(timeline) == pytest.approx(200.0)  # 200, 100, 200
 
 
 @pytest.mark.parametrize("source", [None, "eagle", "ngram", "hybrid"])

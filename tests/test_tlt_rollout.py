@@ -36,7 +36,10 @@ def _engine(model, drafter=None, batch=8, policy=None, kv_len=KV_LEN):
     return RolloutEngine(model, config, drafter=drafter, step_policy=policy)
 
 
-def _long_tail_requests(prompts, sampling=SamplingParams(), seed=0):
+GREEDY = SamplingParams()
+
+
+def _long_tail_requests(prompts, sampling=GREEDY, seed=0):
     """A long tail: most requests stop early, two run to 40 tokens."""
     lengths = [6, 8, 10, 12, 14, 16, 40, 40]
     return [Request(p, n, sampling, seed=seed + i) for i, (p, n) in
@@ -128,7 +131,8 @@ def test_sampled_ngram_and_hybrid_sd_match_the_target_distribution(small_vocab, 
         p_first, _ = chi_square_pvalue(np.bincount(rows[:, 0], minlength=vocab),
                                        probs.sum((1, 2)))  # fmt: skip
         p_seq, _ = chi_square_pvalue(
-            np.bincount(np.ravel_multi_index(rows.T, (vocab,) * 3), minlength=vocab**3), probs)
+            np.bincount(np.ravel_multi_index(rows.T, (vocab,) * 3), minlength=vocab**3), probs
+        )
         assert p_first > 1e-4 and p_seq > 1e-4, (token, p_first, p_seq)
     stats = engine.stats
     assert stats.spec_tokens_by_source[source] > 1.2 * stats.spec_rows_by_source[source]
@@ -140,7 +144,8 @@ def test_sd_logprobs_are_the_plain_logprobs_of_the_emitted_tokens(pair):
     prompts = [p for p in random_prompts(4, model.config.vocab_size, seed=13) for _ in range(2)]
     policy = FixedPolicy(StepChoice("3,2,6", "hybrid"))
     done = _engine(model, drafter, policy=policy).generate(
-        _long_tail_requests(prompts, sampling, seed=7))
+        _long_tail_requests(prompts, sampling, seed=7)
+    )
     assert any(len(c.accepted_lengths) for c in done)
     for c in done:
         tokens = np.array(c.prompt_ids + tuple(c.token_ids), np.int32)[None]

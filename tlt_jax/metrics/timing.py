@@ -62,6 +62,15 @@ def tail_stats(timeline: Sequence[tuple], threshold: int) -> dict[str, float]:
     }
 
 
+def median_step_ms(timeline: Sequence[tuple], batch: int | None = None) -> float:
+    """Median milliseconds of a rollout's decode steps (those with `batch` running requests;
+    all for None), from `EngineStats.timeline`; the first step, which follows prefill, is
+    skipped when there are more."""
+    times = np.diff([0.0] + [row[0] for row in timeline])
+    ran = [dt for dt, row in zip(times, timeline, strict=True) if batch in (None, row[1])]
+    return 1e3 * float(np.median(ran[1:] if len(ran) > 2 else ran))
+
+
 def length_stats(lengths: Sequence[int], prefix: str = "response_len") -> dict[str, float]:
     """Mean, p50, p90 and max of response lengths (tokens)."""
     values = np.asarray(lengths, np.float64) if len(lengths) else np.zeros(1)

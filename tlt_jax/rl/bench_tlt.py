@@ -66,7 +66,8 @@ def _greedy(trainers: dict[str, Trainer], examples: list[dict], repeats: int, th
             if repeat:  # the first pass compiles
                 out[name]["s"].append(seconds)
                 out[name]["tail_s"].append(
-                    timing.tail_stats(engine.stats.timeline, threshold)["long_tail_s"])
+                    timing.tail_stats(engine.stats.timeline, threshold)["long_tail_s"]
+                )
     identical = tokens["plain"] == tokens["tlt"]
     result = {name: {"rollout_s": min(v["s"]), "long_tail_s": min(v["tail_s"])}
               for name, v in out.items()}  # fmt: skip

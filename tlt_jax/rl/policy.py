@@ -25,8 +25,8 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import Transformer, abstract_state, init_model
 from tlt_jax.parallel import sharding as sharding_lib
-from tlt_jax.rl import step as step_lib
 from tlt_jax.programs import ProgramPool
+from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.config import ModelSettings, SpecConfig, TrainConfig
 from tlt_jax.rollout import calibrate as calibrate_lib
 from tlt_jax.rollout.adaptive import AdaptivePolicy, PlainPolicy, StepPolicy

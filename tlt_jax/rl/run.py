@@ -76,6 +76,7 @@ def phase_table(records: list[dict[str, Any]]) -> str:
     for name, values in rows:
         lines.append(f"{name:<9}{np.mean(values):>12.2f}{sum(values):>10.1f}"
                      f"{sum(values) / step_total:>8.1%}")  # fmt: skip
+
     def mean(key: str) -> float:
         return float(np.mean([float(r.get(key, 0.0)) for r in records]))
 
@@ -107,8 +108,10 @@ def tlt_summary(records: list[dict[str, Any]]) -> str:
     top = ", ".join(f"{a} x{n}" for a, n in sorted(choices.items(), key=lambda kv: -kv[1])[:6])
     sd_tail = sum(float(r.get("sd_tail_s", 0.0)) for r in records)
     tail = sum(float(r.get("long_tail_s", 0.0)) for r in records)
-    return (f"TLT: SD in {share:.1%} of decode steps ({sd} steps); acceptance length {accept}; "
-            f"{sd_tail:.1f} of {tail:.1f} tail seconds ran SD; arms (batch bucket/arm) {top}")
+    return (
+        f"TLT: SD in {share:.1%} of decode steps ({sd} steps); acceptance length {accept}; "
+        f"{sd_tail:.1f} of {tail:.1f} tail seconds ran SD; arms (batch bucket/arm) {top}"
+    )
 
 
 def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | None = None

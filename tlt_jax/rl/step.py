@@ -21,9 +21,7 @@ Programs are pure and compiled ahead of time per padded shape (`ProgramPool`):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,8 +32,8 @@ import optax
 from flax import nnx, struct
 
 from tlt_jax import optim
-from tlt_jax.programs import abstract_like
 from tlt_jax.models.transformer import KVCache
+from tlt_jax.programs import abstract_like
 from tlt_jax.rl import algorithms
 from tlt_jax.rl.config import OptimConfig
 

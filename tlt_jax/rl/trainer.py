@@ -156,7 +156,8 @@ class Trainer:
             self.engine.update_params(self._to_rollout(self.state.params))
         self.threshold = policy.resolve_threshold(cfg, self.engine, self.workdir)
         self.engine.step_policy = policy.build_step_policy(
-            cfg, self.threshold, self.engine.drafter_params is not None)
+            cfg, self.threshold, self.engine.drafter_params is not None
+        )
         if restored is not None and restored.extra.get("bandit"):
             self.engine.step_policy.load_state_dict(restored.extra["bandit"])
         self.step_count = int(jax.device_get(self.state.step))

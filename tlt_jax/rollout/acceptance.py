@@ -124,8 +124,9 @@ def accept_tree(
         # All of q on the tried children (rest 0) never reaches the residual draw: a child is
         # accepted for sure; the draw then only needs some mass to stay finite.
         residual_q = jnp.where(rest_BxT[..., None] > 0, residual_q, q_BxTxV)
-        residual_BxT = sample_from_probs(split[..., 1].reshape(b * t),
-                                         residual_q.reshape(b * t, v)).reshape(b, t)
+        residual_BxT = sample_from_probs(
+            split[..., 1].reshape(b * t), residual_q.reshape(b * t, v)
+        ).reshape(b, t)
         hit_BxTxT = jnp.where(sampling_B[:, None, None], sample_hit, hit_BxTxT)
         final_BxT = jnp.where(sampling_B[:, None], residual_BxT.astype(jnp.int32), argmax_BxT)
     # The first accepted child of every node, -1 if none.

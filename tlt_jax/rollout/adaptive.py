@@ -200,7 +200,8 @@ class BanditConfig:
             if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
                 raise ValueError(f"spec.{name}={value!r} must be a positive integer")
         bounds = self.bucket_bounds
-        if not bounds or bounds[0] != 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        rising = all(a < b for a, b in zip(bounds, bounds[1:], strict=False))
+        if not bounds or bounds[0] != 1 or not rising:
             raise ValueError(f"spec.bucket_bounds={bounds!r} must start at 1 and increase")
         if len(self.strategies) != len(bounds):
             raise ValueError(f"spec.strategies has {len(self.strategies)} buckets; "

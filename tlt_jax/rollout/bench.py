@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax.metrics.timing import median_step_ms
 from tlt_jax.rollout.adaptive import (
     AdaptivePolicy,
     BanditConfig,
@@ -79,15 +80,6 @@ def make_engine(model, drafter, batch: int, kv_len: int, *, ngram: bool,
 def kv_length(prompts, new_tokens: int) -> int:
     """The one kv bucket: the longest prompt + `new_tokens` + 1, rounded up to 64."""
     return -(-(max(len(p) for p in prompts) + new_tokens + 1) // 64) * 64
-
-
-def median_step_ms(timeline, batch: int | None = None) -> float:
-    """Median milliseconds of a generate call's decode steps (those with `batch` running
-    requests), from `EngineStats.timeline`; the first step, which follows prefill, is skipped
-    when there are more."""
-    times = np.diff([0.0] + [t for t, *_ in timeline])
-    ran = [dt for dt, (_, n, *_) in zip(times, timeline, strict=True) if batch in (None, n)]
-    return 1e3 * float(np.median(ran[1:] if len(ran) > 2 else ran))
 
 
 def decode_step_ms(model, kv_len: int, steps: int = 20) -> float:

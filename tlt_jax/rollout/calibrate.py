@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax.metrics.timing import median_step_ms
 from tlt_jax.rollout.adaptive import FixedPolicy, PlainPolicy, StepChoice
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import SpecStrategy
@@ -86,15 +87,10 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
     try:
         return Calibration.from_dict(json.loads(path.read_text()))
     except (KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"spec.calibration_file={str(path)!r} is not a calibration "
-                         f"(expected threshold, verify_tokens, plain_ms, verify_ms): {e}") from e
-
-
-def _step_ms(timeline, batch: int) -> float:
-    """Median milliseconds of the steps that ran at exactly `batch` requests."""
-    times = np.diff([0.0] + [t for t, *_ in timeline])
-    ran = [dt for dt, (_, n, *_) in zip(times, timeline, strict=True) if n == batch]
-    return 1e3 * float(np.median(ran[1:] if len(ran) > 2 else ran))  # the first holds prefill
+        raise ValueError(
+            f"spec.calibration_file={str(path)!r} is not a calibration "
+            f"(expected threshold, verify_tokens, plain_ms, verify_ms): {e}"
+        ) from e
 
 
 def calibrate(engine, *, verify_tokens: int = 4, max_batch: int | None = None,
@@ -128,15 +124,22 @@ def calibrate(engine, *, verify_tokens: int = 4, max_batch: int | None = None,
     above = 0
     try:
         for b in buckets:
-            requests = [Request(tuple(int(t) for t in rng.integers(0, vocab, prompt_len)),
-                                steps + 2, sampling, (), seed=i)  # fmt: skip
-                        for i in range(b)]
+            requests = [
+                Request(
+                    tuple(int(t) for t in rng.integers(0, vocab, prompt_len)),
+                    steps + 2,
+                    sampling,
+                    (),
+                    seed=i,
+                )  # fmt: skip
+                for i in range(b)
+            ]
             warm = [dataclasses.replace(r, max_new_tokens=2) for r in requests]
             for policy, out in ((PlainPolicy(), plain_ms), (FixedPolicy(choice), verify_ms)):
                 engine.step_policy = policy
                 engine.generate(warm)  # compiles this bucket's programs off the clock
                 engine.generate(requests)
-                out[b] = _step_ms(engine.stats.timeline, b)
+                out[b] = median_step_ms(engine.stats.timeline, b)
             # The ratio grows with the batch: two buckets past the bound end the search.
             above = above + 1 if verify_ms[b] / plain_ms[b] >= max_cost_ratio else 0
             if above == 2:

@@ -44,8 +44,12 @@ from tlt_jax.programs import ProgramPool
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.adaptive import FixedPolicy, PlainPolicy, StepChoice, StepPolicy, arm_name
 from tlt_jax.rollout.sampling import SamplingParams, choose_tokens
-from tlt_jax.rollout.spec_engine import (SpecRunner, check_drafter_fits, check_hot_token_ids,
-                                         check_spec_settings)  # fmt: skip
+from tlt_jax.rollout.spec_engine import (
+    SpecRunner,
+    check_drafter_fits,
+    check_hot_token_ids,
+    check_spec_settings,  # fmt: skip
+)
 from tlt_jax.rollout.speculative import DraftState, SpecStrategy
 
 DRAFTER_SYNC = ("lazy", "eager")
@@ -621,8 +625,15 @@ class RolloutEngine:
     def _spec_step(self, running: list[_Running], max_len: int, choice: StepChoice) -> int:
         """One SD step; emits each request's accepted run (trimmed at its stop tokens and
         `max_new_tokens`); returns the tokens the step produced before trimming."""
-        self.state, result = self.spec.step(choice, self.params, self.drafter_params,
-                                            self.hot_token_ids, self.state, running, max_len)
+        self.state, result = self.spec.step(
+            choice,
+            self.params,
+            self.drafter_params,
+            self.hot_token_ids,
+            self.state,
+            running,
+            max_len,
+        )
         for i, run in enumerate(running):
             count = int(result.counts[i])
             run.completion.accepted_lengths.append(count)

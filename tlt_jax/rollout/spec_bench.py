@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax.metrics.timing import median_step_ms
 from tlt_jax.rollout.adaptive import DRAFT_SOURCES, BanditConfig, ScheduledPolicy, StepChoice
 from tlt_jax.rollout.bench import (
     WARM_TOKENS,
@@ -43,7 +44,6 @@ from tlt_jax.rollout.bench import (
     kv_length,
     load_questions,
     make_engine,
-    median_step_ms,
     require_prompts,
     run_point,
     warm_up,
