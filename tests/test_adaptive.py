@@ -77,7 +77,7 @@ def _run(policy, speed: dict, steps: int, n: int = 1, rng_seed: int = 1):
 
 
 def test_bandit_falls_back_to_plain_where_sd_is_slower_and_takes_sd_where_it_pays():
-    cfg = _config(warmup_steps=0, window=50)
+    cfg = _config(warmup_steps=0, window=50, epsilon_decay=False)
     # SD slower than plain (a cold drafter): after trying each arm, plain wins ~90%.
     slow = {"plain": 30.0, "ngram:4,1,5": 20.0, "ngram:2,2,5": 22.0}
     chosen = _run(AdaptivePolicy(cfg), slow, 400)
@@ -101,6 +101,21 @@ def test_bandit_is_deterministic_and_its_state_round_trips_through_json():
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert resumed.median_rewards() == first.median_rewards()
     assert _run(first, speed, 100, rng_seed=7) == _run(resumed, speed, 100, rng_seed=7)
+
+
+def test_epsilon_decays_per_bucket_and_survives_checkpoints():
+    cfg = _config(warmup_steps=0, window=50)
+    slow = {"plain": 30.0, "ngram:4,1,5": 20.0, "ngram:2,2,5": 22.0}
+    policy = AdaptivePolicy(cfg)
+    chosen = _run(policy, slow, 2000)
+    # epsilon / sqrt(1 + n / 50): 0.1 at first, 0.016 after 2,000 steps; explore 2/3 of it.
+    assert policy.epsilon_at(1) == pytest.approx(0.1 / np.sqrt(1 + 2000 / 50))
+    assert policy.epsilon_at(2) == 0.1  # another bucket has its own count
+    late = chosen[1000:]
+    assert late.count("plain") / len(late) > 0.975
+    resumed = AdaptivePolicy(cfg)
+    resumed.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    assert resumed.epsilon_at(1) == policy.epsilon_at(1)
 
 
 def test_rewards_are_windowed_and_plain_steps_outside_sd_mode_are_not_recorded():

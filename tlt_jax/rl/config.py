@@ -315,6 +315,7 @@ class SpecConfig:
       bucket_bounds: BEG bucket lower bounds t_i (buckets [t_i, t_{i+1})).
       strategies: per bucket, '|'-separated 'depth,topk,verify' strategies of one verify budget.
       epsilon / window: the bandit's exploration probability and reward window.
+      epsilon_decay: shrink epsilon per batch bucket as it gathers steps (`BanditConfig`).
     """
 
     mode: str = "off"
@@ -329,6 +330,7 @@ class SpecConfig:
     strategies: tuple[str, ...] = ("4,1,5", "3,1,4", "2,1,3", "1,1,2")
     epsilon: float = 0.1
     window: int = 300
+    epsilon_decay: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "bucket_bounds", tuple(int(b) for b in self.bucket_bounds))
@@ -368,6 +370,7 @@ class SpecConfig:
             strategies=tuple(tuple(s.split("|")) for s in self.strategies),
             sources=self.sources(has_drafter),
             epsilon=self.epsilon,
+            epsilon_decay=self.epsilon_decay,
             window=self.window,
             seed=seed,
             include_plain=self.mode != "always",

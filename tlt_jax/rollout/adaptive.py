@@ -21,6 +21,11 @@ Policies:
   bandit falls back to plain where SD does not pay. Reward = emitted tokens per second
   (acceptance length x batch / step time), kept in a window of `window` steps per arm; select
   untried arms first, else with probability `epsilon` a uniform arm, else the best median.
+  With `epsilon_decay` the exploration probability of an engine bucket falls as
+  epsilon / sqrt(1 + n / window) after n SD-mode steps there: TLT's fixed 0.1 explores a
+  losing arm on ~7% of steps forever, which alone costs 3-4% where SD runs at half plain
+  speed (measured with `bench_spec --adaptive` on this CPU), while the windows keep tracking a
+  drafter that improves during RL.
   Deterministic given its seed; `state_dict` / `load_state_dict` checkpoint it.
 """
 
@@ -176,6 +181,7 @@ class BanditConfig:
       strategies: per bucket, the strategies with its verify budget ('depth,topk,verify').
       sources: draft sources tried with every strategy.
       epsilon / window: exploration probability and reward window per arm.
+      epsilon_decay: shrink epsilon per engine bucket with its step count (module docstring).
       seed: the bandit's random stream.
       include_plain: plain decoding is an arm of every bucket (False: SD arms only).
     """
@@ -190,6 +196,7 @@ class BanditConfig:
     window: int = 300
     seed: int = 0
     include_plain: bool = True
+    epsilon_decay: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "bucket_bounds", tuple(int(b) for b in self.bucket_bounds))
@@ -245,6 +252,7 @@ class AdaptivePolicy:
         self._rng = np.random.default_rng(config.seed)
         # (engine batch bucket, arm name) -> recent rewards (tokens per second).
         self._rewards: dict[tuple[int, str], deque] = {}
+        self._steps: dict[int, int] = {}  # SD-mode steps per engine bucket, over all rollouts
         self.sd_on = False
         self._under = 0
         # This rollout's choices: (engine batch bucket, arm name) -> steps.
@@ -283,14 +291,22 @@ class AdaptivePolicy:
         untried = [a for a, w in zip(arms, windows, strict=True) if not w]
         if untried:
             choice = untried[0]
-        elif len(arms) > 1 and self._rng.random() < cfg.epsilon:
+        elif len(arms) > 1 and self._rng.random() < self.epsilon_at(key):
             choice = arms[int(self._rng.integers(len(arms)))]
         else:
             medians = [float(np.median(w)) for w in windows]
             choice = arms[int(np.argmax(medians))]
         name = (key, arm_name(choice))
         self.counts[name] = self.counts.get(name, 0) + 1
+        self._steps[key] = self._steps.get(key, 0) + 1
         return choice
+
+    def epsilon_at(self, bucket: int) -> float:
+        """The exploration probability of engine bucket `bucket` now."""
+        cfg = self.config
+        if not cfg.epsilon_decay:
+            return cfg.epsilon
+        return cfg.epsilon / float(np.sqrt(1.0 + self._steps.get(bucket, 0) / cfg.window))
 
     def record(self, choice: StepChoice | None, num_running: int, emitted_tokens: int,
                seconds: float) -> None:  # fmt: skip
@@ -316,6 +332,7 @@ class AdaptivePolicy:
         """JSON-serialisable state: reward windows and the random stream."""
         return {
             "rewards": [[b, a, list(w)] for (b, a), w in sorted(self._rewards.items())],
+            "steps": [[b, n] for b, n in sorted(self._steps.items())],
             "rng": self._rng.bit_generator.state,
         }
 
@@ -326,4 +343,5 @@ class AdaptivePolicy:
             (int(b), str(a)): deque((float(r) for r in w), maxlen=self.config.window)
             for b, a, w in state["rewards"]
         }
+        self._steps = {int(b): int(n) for b, n in state.get("steps", [])}
         self._rng.bit_generator.state = state["rng"]
