@@ -124,6 +124,11 @@ def test_micro_batch_plan_puts_zero_advantage_groups_last():
     # Two mini-batches of 4 groups, 2 groups per micro-batch; within a mini-batch the groups
     # with signal come first (stable order).
     assert plan == [[[1, 3], [0, 2]], [[4, 5], [6, 7]]]
+    # By longest response too: long groups together, within the signal / no-signal classes.
+    lengths = np.asarray([10, 300, 40, 20, 5, 60, 70, 8])
+    plan = step_lib.plan_micro_batches(signal, group_size=4, micro_batch_size=8,
+                                       num_minibatches=1, group_lengths=lengths)  # fmt: skip
+    assert plan == [[[1, 3], [4, 6], [5, 2], [0, 7]]]
 
 
 def test_long_tail_share_and_seeds():
@@ -182,6 +187,9 @@ def test_trainer_steps_update_sync_and_feed_the_sink(tmp_path):
         # 8 requests, all under the report threshold of a plain run: all of it is "tail".
         assert record["long_tail_share"] == pytest.approx(1.0)
         assert record["sd_step_share"] == 0.0 and record["sd_threshold"] == 32
+        lengths = np.asarray(record["response_lengths"])
+        bucket = 1 << int(np.ceil(np.log2(max(lengths.max(), 8))))  # 8: min_length_bucket
+        assert record["update_padding_share"] == pytest.approx(1 - lengths.sum() / (8 * bucket))
         # The engine's sampling log-probs and the trainer's recompute agree.
         assert record["logprob_diff"] < 1e-4
     changed = [

@@ -293,19 +293,26 @@ def logprob_gap(recomputed_BxT: np.ndarray, engine: list[list[float]]) -> float:
 
 
 def plan_micro_batches(has_signal: np.ndarray, group_size: int, micro_batch_size: int,
-                       num_minibatches: int) -> list[list[list[int]]]:  # fmt: skip
+                       num_minibatches: int, group_lengths: np.ndarray | None = None
+                       ) -> list[list[list[int]]]:  # fmt: skip
     """Group (prompt) indices per micro-batch per mini-batch.
 
     Mini-batches take the groups in order; within one, groups with a non-zero advantage come
     first, so the micro-batches whose groups all have zero advantage (exactly zero policy
-    gradient) are the last ones and can be skipped.
+    gradient) are the last ones and can be skipped. With `group_lengths` (each group's longest
+    response), groups of similar length share micro-batches (longest first within each of
+    the two classes): every micro-batch is padded to its own longest response, so a long-tail
+    straggler's group no longer pads a short one. The loss is a weighted sum over
+    micro-batches, so the order changes no value.
     """
     p = len(has_signal)
     per_micro = micro_batch_size // group_size
     per_mini = p // num_minibatches
+    lengths = np.zeros(p) if group_lengths is None else np.asarray(group_lengths)
     out = []
     for start in range(0, p, per_mini):
-        groups = sorted(range(start, start + per_mini), key=lambda g: not has_signal[g])
+        groups = sorted(range(start, start + per_mini),
+                        key=lambda g: (not has_signal[g], -lengths[g]))  # fmt: skip
         out.append([groups[i : i + per_micro] for i in range(0, per_mini, per_micro)])
     return out
 
@@ -315,16 +322,6 @@ def abstract_accumulator(params) -> dict:
     out = {"grads": abstract_like(params)}
     out.update({name: jax.ShapeDtypeStruct((), jnp.float32) for name in ACCUMULATED_METRICS})
     return out
-
-
-def memory_report(compiled) -> dict[str, int]:
-    """Bytes from `compiled.memory_analysis()` (empty where the backend reports nothing)."""
-    analysis = compiled.memory_analysis()
-    if analysis is None:
-        return {}
-    names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-             "temp_size_in_bytes", "generated_code_size_in_bytes")  # fmt: skip
-    return {n.removesuffix("_size_in_bytes"): int(getattr(analysis, n, 0) or 0) for n in names}
 
 
 def partial_program(fn: Callable, graphdef, **static) -> Callable:

@@ -283,8 +283,9 @@ class Trainer:
             rewards_PxG = scored.rewards.reshape(len(prompts), g)
             advantages = np.asarray(compute_advantages(cfg.rl.algorithm, rewards_PxG), np.float32)
             has_signal = np.any(advantages != 0, axis=1)
+        group_lengths = np.asarray([len(c.token_ids) for c in completions]).reshape(-1, g).max(1)
         plan = step_lib.plan_micro_batches(has_signal, g, cfg.rl.micro_batch_size,
-                                           cfg.rl.num_minibatches)  # fmt: skip
+                                           cfg.rl.num_minibatches, group_lengths)  # fmt: skip
         needs_all = self.feature_sink is not None or cfg.rl.algorithm.kl_coef > 0
         batches, old_logprobs, ref_logprobs = {}, {}, {}
         logprob_diffs = []
@@ -386,7 +387,7 @@ class Trainer:
         cfg = self.config
         apply = self._apply_program()
         totals: dict[str, float] = {}
-        trained = 0
+        trained = computed = real = 0
         with progress_bar(self.progress, "update", len(_flat(plan))) as bar:
             for mini in plan:
                 keys = [tuple(groups) for groups in mini]
@@ -410,9 +411,13 @@ class Trainer:
                     _, grad = self._programs(batch)
                     accum = grad(self.state.params, accum, batch, inputs)
                     trained += 1
+                    computed += batch.response_mask_BxT.size
+                    real += int(np.sum(np.asarray(batch.response_mask_BxT)))
                 sums = jax.device_get({k: accum[k] for k in step_lib.ACCUMULATED_METRICS})
                 self.state, applied = apply(self.state, accum)
                 step_lib.add_minibatch_metrics(totals, sums, jax.device_get(applied), len(plan))
+        # Response positions the gradient programs computed vs real response tokens.
+        totals["update_padding_share"] = 1.0 - real / computed if computed else 0.0
         totals["micro_batches_trained"] = trained
         totals["micro_batches_total"] = len(_flat(plan))
         return totals
