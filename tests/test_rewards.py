@@ -37,6 +37,45 @@ def test_extract_answer(text, expected):
 @pytest.mark.parametrize(
     "text, expected",
     [
+        (r"so \boxed{42}. The answer is 7", "42"),  # boxed first, as in extract_answer
+        ("Mia has 14 + 6 = 20.\n#### 20\nThe answer is 21", "20"),  # then ####
+        ("#### \nThe answer is 21", "21"),  # an empty #### line is no answer
+        ("10 + 3 = 13\nZoe has 13 stickers now.\n\nThe answer is 13.", "13"),
+        ("So, the final answer is: 22", "22"),
+        ("The answer is **-3**.", "-3"),
+        ("ANSWER = 1,000", "1,000"),
+        ("The answer is 3/4.", "3/4"),
+        ("The answer is 12 and the check is 5 + 7 = 12. Next answer is 9 apples", "9"),
+        ("Add them: 17 + 16 = 33\n", "33"),  # the last line ends in = N
+        ("18 + 1 = 19.", "19"),
+        ("So the total is 14", "14"),
+        ("The answer is correct.", None),  # "answer is" without a number
+        ("The answer is 12/x", None),  # not a number
+        ("so she has 17 apples", None),  # a last number that is not stated as the answer
+        ("7 + 5 = 12 and 12 - 3 = 9 apples left", None),  # = N not at the end of the line
+        ("7 + 5 = 12\nMax gets 8 from a friend", None),  # only the last line counts
+        ("12 + 5 =", None),  # truncated mid-equation
+        ("This is 5x faster", None),
+        ("", None),
+    ],
+)
+def test_extract_final_answer(text, expected):
+    assert rewards.extract_final_answer(text) == expected
+
+
+def test_final_answer_accuracy_needs_a_stated_answer():
+    assert rewards.final_answer_accuracy("so 7 + 5 = 12.", "12") == 1.0
+    assert rewards.final_answer_accuracy("The answer is 12.0", "12") == 1.0
+    assert rewards.final_answer_accuracy("The answer is 13", "12") == 0.0
+    # math_accuracy takes the last number; final_answer does not.
+    assert rewards.math_accuracy("she has 12 apples", "12") == 1.0
+    assert rewards.final_answer_accuracy("she has 12 apples", "12") == 0.0
+    assert rewards.REWARD_FUNCTIONS["final_answer"] is rewards.final_answer_accuracy
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
         ("42", Fraction(42)),
         ("-3", Fraction(-3)),
         ("+7", Fraction(7)),
@@ -143,7 +182,9 @@ def test_score_batch_survives_errors_and_timeouts():
 
 
 def test_score_batch_rejects_bad_arguments():
-    with pytest.raises(ValueError, match=r"'nope' is not one of \['format', 'math_accuracy'\]"):
+    with pytest.raises(
+        ValueError, match=r"'nope' is not one of \['final_answer', 'format', 'math_accuracy'\]"
+    ):
         rewards.score_batch("nope", ["a"], ["a"])
     with pytest.raises(ValueError, match="len"):
         rewards.score_batch("math_accuracy", ["a", "b"], ["a"])

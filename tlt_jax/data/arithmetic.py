@@ -7,6 +7,10 @@ Each example is an expression over integers with a known exact result:
 - `level1`: two operands, `+` / `-`, operands in [0, 999].
 - `level2`: three operands, `+` / `-` / `*`, parentheses where the tree needs them.
 - `level3`: four or five operands, nested parentheses, operands up to 9,999.
+- `chain` (level 4): three operands in [1, 9] chained left to right with `+` / `-`
+  (`7 + 2 - 5`), every partial result >= 0: each operator is one step of working.
+- `word` (level 5): one or two gains or losses told as a short story ("Mia has 14 marbles.
+  Then Mia finds 6 more. ... How many marbles does Mia have now?"); partials in [0, 100].
 - `mixed`: each example picks one of levels 1-3 uniformly.
 
 Generation is deterministic: every (config seed, split) has its own fixed
@@ -28,9 +32,11 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-LEVELS = (0, 1, 2, 3)
+LEVELS = (0, 1, 2, 3, 4, 5)
 MIXED_LEVELS = (1, 2, 3)
-LEVEL_NAMES = ("level0", "level1", "level2", "level3", "mixed")
+# Names of the levels that are not `level<N>`.
+_NAMED_LEVELS = {"chain": 4, "word": 5}
+LEVEL_NAMES = ("level0", "level1", "level2", "level3", "chain", "word", "mixed")
 _SPLIT_STREAM = {"test": 0, "train": 1}
 _TEMPLATES = ("What is {expr}?", "Compute {expr}.", "Evaluate {expr}.", "Calculate {expr}.")
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2}
@@ -45,6 +51,8 @@ class _LevelSpec:
     additive_range: tuple[int, int]  # inclusive range of leaves under + / -
     multiplicative_range: tuple[int, int]  # inclusive range of leaves directly under *
     max_abs_result: int  # redraw expressions whose result (or any partial) is larger
+    chain: bool = False  # left-deep trees only: `a + b - c + d`, one step per operator
+    nonnegative: bool = False  # redraw expressions with a negative partial result
 
 
 _LEVEL_SPECS = {
@@ -52,7 +60,9 @@ _LEVEL_SPECS = {
     1: _LevelSpec((2,), ("+", "-"), (0, 999), (0, 0), 10_000),
     2: _LevelSpec((3,), ("+", "-", "*"), (1, 99), (2, 20), 10_000),
     3: _LevelSpec((4, 5), ("+", "-", "*"), (10, 9_999), (2, 99), 1_000_000),
+    4: _LevelSpec((3,), ("+", "-"), (1, 9), (0, 0), 100, chain=True, nonnegative=True),
 }
+_WORD_LEVEL = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +103,7 @@ def _draw_tree(
         low, high = spec.multiplicative_range if under_product else spec.additive_range
         return _Node(int(rng.integers(low, high + 1)))
     operator = str(rng.choice(spec.operators))
-    left_leaves = int(rng.integers(1, num_leaves))
+    left_leaves = num_leaves - 1 if spec.chain else int(rng.integers(1, num_leaves))
     product = operator == "*"
     left = _draw_tree(rng, spec, left_leaves, product)
     right = _draw_tree(rng, spec, num_leaves - left_leaves, product)
@@ -103,13 +113,42 @@ def _draw_tree(
     return _Node(value, operator, left, right)
 
 
-def _within_bounds(node: _Node, limit: int) -> bool:
-    """Whether every partial result in `node` has absolute value at most `limit`."""
-    if abs(node.value) > limit:
+def _within_bounds(node: _Node, limit: int, nonnegative: bool = False) -> bool:
+    """Whether every partial result in `node` has absolute value at most `limit` (and is
+    >= 0 when `nonnegative`)."""
+    if abs(node.value) > limit or (nonnegative and node.value < 0):
         return False
     if not node.operator:
         return True
-    return _within_bounds(node.left, limit) and _within_bounds(node.right, limit)
+    return _within_bounds(node.left, limit, nonnegative) and _within_bounds(
+        node.right, limit, nonnegative
+    )
+
+
+_NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Emma", "Noah", "Lily", "Ben")
+_ITEMS = ("apples", "marbles", "stickers", "cards", "pencils", "coins", "shells", "books")
+_GAINS = ("Then {who} buys {n} more.", "Then {who} finds {n} more.",
+          "Then {who} gets {n} from a friend.")  # fmt: skip
+_LOSSES = ("Then {who} gives {n} to a friend.", "Then {who} loses {n}.",
+           "Then {who} sells {n}.")  # fmt: skip
+_WORD_LIMIT = 100
+
+
+def _word_problem(rng: np.random.Generator) -> tuple[str, _Node]:
+    """A story of one or two events (a gain or a loss of 1-20) on a starting amount of 5-30;
+    every partial result stays in [0, 100]. Returns the question and its left-deep tree."""
+    who, item = str(rng.choice(_NAMES)), str(rng.choice(_ITEMS))
+    tree = _Node(int(rng.integers(5, 31)))
+    sentences = [f"{who} has {tree.value} {item}."]
+    for _ in range(int(rng.integers(1, 3))):
+        gain = bool(rng.integers(2)) if 0 < tree.value < _WORD_LIMIT else tree.value == 0
+        limit = _WORD_LIMIT - tree.value if gain else tree.value
+        n = int(rng.integers(1, min(20, limit) + 1))
+        tree = _Node(tree.value + n if gain else tree.value - n, "+" if gain else "-", tree,
+                     _Node(n))  # fmt: skip
+        sentences.append(str(rng.choice(_GAINS if gain else _LOSSES)).format(who=who, n=n))
+    sentences.append(f"How many {item} does {who} have now?")
+    return " ".join(sentences), tree
 
 
 def make_problem(rng: np.random.Generator, level: int) -> tuple[str, str, int]:
@@ -123,13 +162,16 @@ def make_problem(rng: np.random.Generator, level: int) -> tuple[str, str, int]:
       `(question, expression, result)`: the question text, the expression it asks about, and
       the exact integer value of that expression.
     """
+    if level == _WORD_LEVEL:
+        question, tree = _word_problem(rng)
+        return question, _render(tree), tree.value
     if level not in _LEVEL_SPECS:
         raise ValueError(f"level={level!r} is not one of {LEVELS}")
     spec = _LEVEL_SPECS[level]
     while True:
         num_leaves = int(rng.choice(spec.num_operands))
         tree = _draw_tree(rng, spec, num_leaves, under_product=False)
-        if _within_bounds(tree, spec.max_abs_result):
+        if _within_bounds(tree, spec.max_abs_result, spec.nonnegative):
             break
     expression = _render(tree)
     template = _TEMPLATES[int(rng.integers(len(_TEMPLATES)))]
@@ -209,7 +251,12 @@ _DEFAULT_SIZES = {"num_train": 20_000, "num_test": 500, "seed": 0}
 
 
 def _config_for(level: str, num_train: int, num_test: int, seed: int) -> ArithmeticConfig:
-    levels = MIXED_LEVELS if level == "mixed" else (int(level.removeprefix("level")),)
+    if level == "mixed":
+        levels = MIXED_LEVELS
+    elif level in _NAMED_LEVELS:
+        levels = (_NAMED_LEVELS[level],)
+    else:
+        levels = (int(level.removeprefix("level")),)
     name = level
     if {"num_train": num_train, "num_test": num_test, "seed": seed} != _DEFAULT_SIZES:
         name = f"{level}_train{num_train}_test{num_test}_seed{seed}"
@@ -232,7 +279,7 @@ def make_config(
     """Returns the config for a named level, with custom sizes if asked.
 
     Args:
-      level: one of `LEVEL_NAMES` (`"level1"`, `"level2"`, `"level3"`, `"mixed"`).
+      level: one of `LEVEL_NAMES` (`"level0"` ... `"level3"`, `"chain"`, `"word"`, `"mixed"`).
       num_train: examples in `train`.
       num_test: examples in `test`.
       seed: base seed of the generator.

@@ -29,6 +29,12 @@ _LAST_NUMBER_RE = re.compile(rf"(?:(?<![\w)])[-+])?{_UNSIGNED}(?:/\d+)?")
 _SLASH_FRACTION_RE = re.compile(rf"^({_NUMBER})/({_NUMBER})$")
 _LATEX_FRACTION_RE = re.compile(r"^([-+]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}$")
 _TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf)\{[^{}]*\}")
+# Stated final answers: "the answer is 17", "Answer: 17", "answer = 17" anywhere ...
+_ANSWER_IS_RE = re.compile(
+    rf"\banswer\s*(?:is\s*:?|:|=)\s*\**\s*({_NUMBER}(?:/\d+)?)(?![\d/])", re.IGNORECASE
+)
+# ... or a last line that ends in "= 17" or "is 17" (an optional "." after it).
+_LAST_LINE_RE = re.compile(rf"(?:=|\bis)\s*\**\s*({_NUMBER})\**\s*\.?\s*$")
 
 
 def _boxed_contents(text: str) -> list[str]:
@@ -78,6 +84,30 @@ def extract_answer(text: str) -> str | None:
     numbers = _LAST_NUMBER_RE.findall(text)
     if numbers:
         return _clean(numbers[-1])
+    return None
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The answer a completion states as final, or None; unlike `extract_answer`, a number
+    that is merely last in the text is not one.
+
+    Priority: the last complete `\\boxed{...}`; else the text after the last `####` on its
+    line; else the number after the last "answer is" / "answer:" / "answer =" (any case);
+    else a number ending the last non-empty line after `=` or "is" ("19 - 5 = 14.",
+    "So the total is 14"). Cleaned as in `extract_answer`.
+    """
+    boxed = _boxed_contents(text)
+    if boxed:
+        return _clean(boxed[-1])
+    hashes = [answer for answer in _hash_answers(text) if _clean(answer)]
+    if hashes:
+        return _clean(hashes[-1])
+    stated = _ANSWER_IS_RE.findall(text)
+    if stated:
+        return _clean(stated[-1])
+    lines = [line for line in text.splitlines() if line.strip()]
+    if lines and (match := _LAST_LINE_RE.search(lines[-1])):
+        return _clean(match.group(1))
     return None
 
 
@@ -158,6 +188,11 @@ def math_accuracy(completion: str, answer: str) -> float:
     return 1.0 if answers_equal(extract_answer(completion), answer) else 0.0
 
 
+def final_answer_accuracy(completion: str, answer: str) -> float:
+    """1.0 if the stated final answer (`extract_final_answer`) equals the gold one, else 0.0."""
+    return 1.0 if answers_equal(extract_final_answer(completion), answer) else 0.0
+
+
 def format_only(completion: str, answer: str) -> float:
     """`format_reward` as a reward function (the gold answer is ignored)."""
     del answer
@@ -166,6 +201,7 @@ def format_only(completion: str, answer: str) -> float:
 
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "math_accuracy": math_accuracy,
+    "final_answer": final_answer_accuracy,
     "format": format_only,
 }
 
