@@ -192,3 +192,23 @@ def test_weight_sync_checks(model, engine):
         with pytest.raises(ValueError, match="sharding"):
             check_compatible(params, moved)
     engine.update_params(params)
+
+
+def test_a_group_shares_its_prompt_prefill_and_keeps_its_own_samples(model):
+    # 6 samples of one prompt and 2 of another, as GRPO groups: one prefill of 2 prompt rows
+    # fills all 8 slots, and each sample equals the same request decoded on its own.
+    eng = RolloutEngine(model, EngineConfig(max_batch_size=8, max_seq_len=128,
+                                            max_prefill_batch=2, min_kv_bucket=32))  # fmt: skip
+    sampling = SamplingParams(temperature=1.0)
+    prompts = [(5, 9, 2, 7)] * 6 + [(11, 3)] * 2
+    group = [Request(p, 12, sampling, seed=i) for i, p in enumerate(prompts)]
+    got = eng.generate(group)
+    assert eng.stats.prefill_steps == 1
+    assert [k for k in eng.pool.keys() if k[0] == "prefill"] == [("prefill", 8, 2, 16, False)]
+    alone = RolloutEngine(model, EngineConfig(max_batch_size=1, max_seq_len=128,
+                                              min_kv_bucket=32))  # fmt: skip
+    for request, completion in zip(group, got, strict=True):
+        (want,) = alone.generate([request])
+        assert completion.token_ids == want.token_ids
+        np.testing.assert_allclose(completion.logprobs, want.logprobs, atol=1e-5)
+    assert len({tuple(c.token_ids) for c in got[:6]}) > 1  # the group's samples differ

@@ -227,29 +227,33 @@ def _step_keys(keys_B: jax.Array, positions_B: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- programs
 
 
-def _prefill(graphdef, params, drafter_params, state: DecodeState, tokens_BxP, prompt_lens_B,
-             slots_B, temperature_B, top_k_B, top_p_B, seeds_B, *, greedy_only: bool,
+def _prefill(graphdef, params, drafter_params, state: DecodeState, tokens_UxP, prompt_lens_U,
+             rows_B, slots_B, temperature_B, top_k_B, top_p_B, seeds_B, *, greedy_only: bool,
              drafter_config=None):  # fmt: skip
-    """Runs prompts (right-padded) and writes their cache into `slots_B` (Bmax = unused row).
+    """Runs U distinct prompts (right-padded) once and writes each into the slots that share it.
 
-    With a drafter (`drafter_params` not None) its state for the slots is built too.
+    Prefix sharing: the requests of a GRPO group have one prompt; slot b takes prompt row
+    `rows_B[b]` (its cache, and the logits its first token is sampled from, with its own seed).
+    `slots_B` = Bmax marks an unused row (dropped). With a drafter (`drafter_params` not None)
+    its state for the slots is built too.
     """
     _count_trace("prefill")
     model = nnx.merge(graphdef, params)
-    b, p = tokens_BxP.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    features, new = model(tokens_BxP, positions)
-    last = jnp.take_along_axis(features, (prompt_lens_B - 1)[:, None, None], axis=1)
-    logits = model.logits(last)[:, 0]
+    u, p = tokens_UxP.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
+    features_UxPxD, new = model(tokens_UxP, positions)
+    last = jnp.take_along_axis(features_UxPxD, (prompt_lens_U - 1)[:, None, None], axis=1)
+    logits_B = model.logits(last)[:, 0][rows_B]
+    prompt_lens_B = prompt_lens_U[rows_B]
     keys = jax.vmap(jax.random.key)(seeds_B)
     step_keys = _step_keys(keys, prompt_lens_B)
     tokens, logprobs = choose_tokens(
-        logits, temperature_B, top_k_B, top_p_B, step_keys, greedy_only=greedy_only
+        logits_B, temperature_B, top_k_B, top_p_B, step_keys, greedy_only=greedy_only
     )
     cache = state.cache
     cache = KVCache(
-        k=cache.k.at[:, slots_B, :p].set(new.k.astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[:, slots_B, :p].set(new.v.astype(cache.v.dtype), mode="drop"),
+        k=cache.k.at[:, slots_B, :p].set(new.k[:, rows_B].astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, slots_B, :p].set(new.v[:, rows_B].astype(cache.v.dtype), mode="drop"),
     )
 
     def put(arr, values):
@@ -258,8 +262,8 @@ def _prefill(graphdef, params, drafter_params, state: DecodeState, tokens_BxP, p
     draft = state.draft
     if drafter_params is not None:
         draft = speculative.prefill_drafter(
-            drafter_params, drafter_config, model.embed.get_value(), draft, tokens_BxP, features,
-            prompt_lens_B, tokens, slots_B,
+            drafter_params, drafter_config, model.embed.get_value(), draft, tokens_UxP[rows_B],
+            features_UxPxD[rows_B], prompt_lens_B, tokens, slots_B,
         )  # fmt: skip
     state = DecodeState(
         cache=cache,
@@ -482,29 +486,36 @@ class RolloutEngine:
         return program
 
     def _run_prefill(self, batch: list[_Running], slots: list[int]) -> tuple[np.ndarray, ...]:
+        """Prefills `batch` into `slots`, each distinct prompt once (`_prefill`)."""
         cfg = self.config
-        b = bucket_for(len(batch), cfg.prefill_batch_buckets)
-        p = bucket_for(max(len(r.request.prompt_ids) for r in batch), cfg.prompt_buckets)
-        tokens = np.zeros((b, p), np.int32)
-        lens = np.ones((b,), np.int32)
+        rows: dict[tuple[int, ...], int] = {}
+        for run in batch:
+            rows.setdefault(run.request.prompt_ids, len(rows))
+        u = bucket_for(len(rows), cfg.prefill_batch_buckets)
+        b = bucket_for(len(batch), cfg.batch_buckets)
+        p = bucket_for(max(len(prompt) for prompt in rows), cfg.prompt_buckets)
+        tokens = np.zeros((u, p), np.int32)
+        lens = np.ones((u,), np.int32)
+        for prompt, row in rows.items():
+            tokens[row, : len(prompt)] = prompt
+            lens[row] = len(prompt)
+        row_ids = np.zeros((b,), np.int32)
         slot_ids = np.full((b,), cfg.max_batch_size, np.int32)  # out of range: dropped
         temperature = np.zeros((b,), np.float32)
         top_k = np.zeros((b,), np.int32)
         top_p = np.ones((b,), np.float32)
         seeds = np.zeros((b,), np.uint32)
         for i, (run, slot) in enumerate(zip(batch, slots, strict=True)):
-            prompt = run.request.prompt_ids
-            tokens[i, : len(prompt)] = prompt
-            lens[i], slot_ids[i] = len(prompt), slot
+            row_ids[i], slot_ids[i] = rows[run.request.prompt_ids], slot
             s = run.request.sampling
             temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
             seeds[i] = np.uint32(run.request.seed & 0xFFFFFFFF)
-        greedy = bool(np.all(temperature == 0))
-        args = (self.params, self.drafter_params, self.state, tokens, lens, slot_ids, temperature,
-                top_k, top_p, seeds)  # fmt: skip
+        greedy = bool(np.all(temperature[: len(batch)] == 0))
+        args = (self.params, self.drafter_params, self.state, tokens, lens, row_ids, slot_ids,
+                temperature, top_k, top_p, seeds)  # fmt: skip
         fn = functools.partial(_prefill, self.graphdef, greedy_only=greedy,
                                drafter_config=self.drafter_config)  # fmt: skip
-        program = self._program(("prefill", b, p, greedy), fn, *args, donate=(2,))
+        program = self._program(("prefill", b, u, p, greedy), fn, *args, donate=(2,))
         self.state, next_tokens, logprobs = program(*args)
         self.stats.prefill_steps += 1
         if self.drafter_params is not None:
@@ -585,8 +596,15 @@ class RolloutEngine:
         while queue or running:
             # Admit queued requests into free slots, one prefill per group.
             while queue and len(running) < cfg.max_batch_size:
-                room = min(cfg.max_batch_size - len(running), cfg.max_prefill_batch)
-                batch = [queue.popleft() for _ in range(min(room, len(queue)))]
+                # Up to max_prefill_batch distinct prompts per prefill, into any free slots.
+                room = cfg.max_batch_size - len(running)
+                batch, prompts = [], set()
+                while queue and len(batch) < room:
+                    prompt = queue[0].request.prompt_ids
+                    if prompt not in prompts and len(prompts) == cfg.max_prefill_batch:
+                        break
+                    prompts.add(prompt)
+                    batch.append(queue.popleft())
                 slots = list(range(len(running), len(running) + len(batch)))
                 tokens, logprobs = self._run_prefill(batch, slots)
                 now = time.perf_counter()
