@@ -99,8 +99,8 @@ def run_sd(model, drafter, prompts, strategy, min_tokens, *, sampling=None, seed
     state = engine_lib.DecodeState.create(model.config, b, kv_len, config)
     prefill = _jit(engine_lib._prefill, graphdef, greedy_only=True, drafter_config=config)
     state, first, _ = prefill(
-        params, dparams, state, tokens, lens, np.arange(b, dtype=np.int32), zeros,
-        zeros.astype(np.int32), zeros + 1, seeds,
+        params, dparams, state, tokens, lens, np.arange(b, dtype=np.int32),
+        np.arange(b, dtype=np.int32), zeros, zeros.astype(np.int32), zeros + 1, seeds,
     )  # fmt: skip
     if sampling is not None:
         state = state.replace(
