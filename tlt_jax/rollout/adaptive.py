@@ -20,7 +20,10 @@ Policies:
   for every draft source, plus plain decoding, so a cold or stale drafter costs nothing: the
   bandit falls back to plain where SD does not pay. Reward = emitted tokens per second
   (acceptance length x batch / step time), kept in a window of `window` steps per arm; select
-  untried arms first, else with probability `epsilon` a uniform arm, else the best median.
+  untried arms first, else with probability `epsilon` a uniform arm among those that could
+  still win, else the best median. An arm whose best reward in its window is below the
+  leader's median is explored once per `window` steps of its bucket only (TLT explores every
+  arm uniformly; where SD loses that kept losing arms on ~5% of steps).
   With `epsilon_decay` the exploration probability of an engine bucket falls as
   epsilon / sqrt(1 + n / window) after n SD-mode steps there: TLT's fixed 0.1 explores a
   losing arm on ~7% of steps forever, which alone costs 3-4% where SD runs at half plain
@@ -253,6 +256,7 @@ class AdaptivePolicy:
         # (engine batch bucket, arm name) -> recent rewards (tokens per second).
         self._rewards: dict[tuple[int, str], deque] = {}
         self._steps: dict[int, int] = {}  # SD-mode steps per engine bucket, over all rollouts
+        self._tried: dict[tuple[int, str], int] = {}  # the bucket step an arm last ran at
         self.sd_on = False
         self._under = 0
         # This rollout's choices: (engine batch bucket, arm name) -> steps.
@@ -289,16 +293,26 @@ class AdaptivePolicy:
         key = engine_bucket(num_running)
         windows = [self._rewards.get((key, arm_name(a))) for a in arms]
         untried = [a for a, w in zip(arms, windows, strict=True) if not w]
+        step = self._steps.get(key, 0)
         if untried:
             choice = untried[0]
-        elif len(arms) > 1 and self._rng.random() < self.epsilon_at(key):
-            choice = arms[int(self._rng.integers(len(arms)))]
         else:
             medians = [float(np.median(w)) for w in windows]
-            choice = arms[int(np.argmax(medians))]
+            best = int(np.argmax(medians))
+            choice = arms[best]
+            if len(arms) > 1 and self._rng.random() < self.epsilon_at(key):
+                # Explore uniformly among the arms that could still win: an arm whose best
+                # recorded reward is below the leader's median is retried once per `window`
+                # steps of the bucket only (a drafter that improves gets its chance back).
+                open_arms = [a for a, w in zip(arms, windows, strict=True)
+                             if max(w) >= medians[best] or step - self._tried.get(
+                                 (key, arm_name(a)), -cfg.window) >= cfg.window]  # fmt: skip
+                if open_arms:
+                    choice = open_arms[int(self._rng.integers(len(open_arms)))]
         name = (key, arm_name(choice))
         self.counts[name] = self.counts.get(name, 0) + 1
-        self._steps[key] = self._steps.get(key, 0) + 1
+        self._tried[name] = step
+        self._steps[key] = step + 1
         return choice
 
     def epsilon_at(self, bucket: int) -> float:
@@ -333,6 +347,7 @@ class AdaptivePolicy:
         return {
             "rewards": [[b, a, list(w)] for (b, a), w in sorted(self._rewards.items())],
             "steps": [[b, n] for b, n in sorted(self._steps.items())],
+            "tried": [[b, a, n] for (b, a), n in sorted(self._tried.items())],
             "rng": self._rng.bit_generator.state,
         }
 
@@ -344,4 +359,5 @@ class AdaptivePolicy:
             for b, a, w in state["rewards"]
         }
         self._steps = {int(b): int(n) for b, n in state.get("steps", [])}
+        self._tried = {(int(b), str(a)): int(n) for b, a, n in state.get("tried", [])}
         self._rng.bit_generator.state = state["rng"]
