@@ -1,4 +1,5 @@
-"""The multi-step arithmetic levels: `chain` (left-to-right chains) and `word` (short stories)."""
+"""The multi-step arithmetic levels: `chain` (left-to-right chains), `word` (short stories) and
+`steps` (level0 and chain, half each)."""
 
 import ast
 import re
@@ -44,6 +45,10 @@ def _word_story(question: str) -> tuple[int, list[int], int]:
         n = int(next(g for g in match.groups()[1:] if g))
         changes.append(n if gain else -n)
     return amount, changes, amount + sum(changes)
+
+
+def _expression(example: dict) -> str:
+    return re.match(r"^(?:What is|Compute|Evaluate|Calculate) (.+?)[?.]$", example["question"])[1]
 
 
 def _signature(example: dict) -> tuple[int, ...]:
@@ -92,7 +97,22 @@ def test_word_problems_with_the_same_arithmetic_count_as_one():
     assert not test_signatures & set(train_signatures)
 
 
-@pytest.mark.parametrize("level", ["chain", "word"])
+def test_steps_level_mixes_one_and_two_step_problems():
+    config = arithmetic.make_config("steps", num_train=600, num_test=200)
+    assert config.levels == (0, 4)
+    test, test_expressions = arithmetic.generate_split(config.levels, 200, 0, "test", frozenset())
+    train, _ = arithmetic.generate_split(config.levels, 600, 0, "train", test_expressions)
+    levels = [e["level"] for e in test + train]
+    assert 0.35 < levels.count(0) / len(levels) < 0.65
+    for example in test + train:
+        if example["level"] == 4:
+            assert len(_chain_steps(example["question"])[0]) == 3, example
+        else:
+            assert re.match(r"^\D+\d+ [+-] \d+[?.]$", example["question"]), example
+    assert not {_expression(e) for e in test} & {_expression(e) for e in train}
+
+
+@pytest.mark.parametrize("level", ["chain", "word", "steps"])
 def test_new_levels_build_deterministically_without_leaks(tmp_path, level):
     config = arithmetic.make_config(level, num_train=400, num_test=100)
     assert config.name == f"{level}_train400_test100_seed0"

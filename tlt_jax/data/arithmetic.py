@@ -11,6 +11,7 @@ Each example is an expression over integers with a known exact result:
   (`7 + 2 - 5`), every partial result >= 0: each operator is one step of working.
 - `word` (level 5): one or two gains or losses told as a short story ("Mia has 14 marbles.
   Then Mia finds 6 more. ... How many marbles does Mia have now?"); partials in [0, 100].
+- `steps`: each example is `level0` (one step) or `chain` (two steps), half each.
 - `mixed`: each example picks one of levels 1-3 uniformly.
 
 Generation is deterministic: every (config seed, split) has its own fixed
@@ -34,9 +35,9 @@ from etils import epath
 
 LEVELS = (0, 1, 2, 3, 4, 5)
 MIXED_LEVELS = (1, 2, 3)
-# Names of the levels that are not `level<N>`.
-_NAMED_LEVELS = {"chain": 4, "word": 5}
-LEVEL_NAMES = ("level0", "level1", "level2", "level3", "chain", "word", "mixed")
+# Names of the level sets that are not `level<N>`.
+_NAMED_LEVELS = {"chain": (4,), "word": (5,), "steps": (0, 4), "mixed": MIXED_LEVELS}
+LEVEL_NAMES = ("level0", "level1", "level2", "level3", "chain", "word", "steps", "mixed")
 _SPLIT_STREAM = {"test": 0, "train": 1}
 _TEMPLATES = ("What is {expr}?", "Compute {expr}.", "Evaluate {expr}.", "Calculate {expr}.")
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2}
@@ -251,10 +252,8 @@ _DEFAULT_SIZES = {"num_train": 20_000, "num_test": 500, "seed": 0}
 
 
 def _config_for(level: str, num_train: int, num_test: int, seed: int) -> ArithmeticConfig:
-    if level == "mixed":
-        levels = MIXED_LEVELS
-    elif level in _NAMED_LEVELS:
-        levels = (_NAMED_LEVELS[level],)
+    if level in _NAMED_LEVELS:
+        levels = _NAMED_LEVELS[level]
     else:
         levels = (int(level.removeprefix("level")),)
     name = level
