@@ -60,8 +60,9 @@ def _reasoning(c: ml_collections.ConfigDict) -> None:
     c.eval.update(num_problems=96, max_new_tokens=256)
     # TLT's adaptive rollout with model-free (n-gram) drafts until a drafter trains online;
     # the SD threshold as calibrated on this project's 2-core CPU (scripts/calibrate_spec.py).
-    c.spec.update(mode="adaptive",
-                  calibration_file=str(CONFIG_DIR / "calibration" / "cpu_2core_smollm2.json"))
+    c.spec.update(
+        mode="adaptive", calibration_file=str(CONFIG_DIR / "calibration" / "cpu_2core_smollm2.json")
+    )
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
