@@ -311,9 +311,10 @@ def test_kl_to_the_frozen_initial_policy(tmp_path):
 
 def test_tlt_adaptive_rollouts_in_the_rl_loop_and_the_bandit_resumes(tmp_path):
     # Random tiny models rarely stop early (no tail): a threshold of the whole batch (8).
-    # epsilon 1: uniform arms, so both arms run whatever the timings are.
+    # epsilon 1 and a window of 2: whichever arm the timings favour, the other (even when
+    # dominated) is retried every 2 steps, so both arms run.
     spec = {"spec.mode": "adaptive", "spec.threshold": 8, "spec.warmup_steps": 1,
-            "spec.epsilon": 1.0,
+            "spec.epsilon": 1.0, "spec.window": 2, "spec.epsilon_decay": False,
             "spec.bucket_bounds": (1, 2, 3), "spec.strategies": ("3,1,4", "2,1,3", "1,1,2"),
             "rollout.max_new_tokens": 24}  # fmt: skip
     config = tiny_config(total_steps=2, checkpoint_every=2, **spec)
