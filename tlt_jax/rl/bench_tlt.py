@@ -12,6 +12,9 @@ first (calibration); the plain one counts its long tail at the same threshold.
    differ between the sides: the sampled ratios are reported as the mean and spread of
    per-step ratios.
 
+Memory: both trainers (engine, train state, programs) live in one process; on the default
+SmolLM2 config that is ~15 GB resident, so give the run the machine to itself on 24 GB.
+
 Ratios are plain / TLT: `rollout_speedup`, `long_tail_speedup` (decode seconds with at most
 `threshold` requests running), `step_speedup`; plus `accept_len_*` per draft source,
 `sd_step_share`, `long_tail_share` and `ceiling_step_speedup` (the plain step if its tail cost
