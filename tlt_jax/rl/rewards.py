@@ -67,6 +67,15 @@ def _clean(answer: str) -> str:
     return answer.rstrip(".").strip()
 
 
+def _marked_answer(text: str) -> str | None:
+    """The last complete `\\boxed{...}`, else the text after the last `####`; cleaned."""
+    boxed = _boxed_contents(text)
+    if boxed:
+        return _clean(boxed[-1])
+    hashes = [answer for answer in _hash_answers(text) if _clean(answer)]
+    return _clean(hashes[-1]) if hashes else None
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer in a completion, or None if it has none.
 
@@ -75,12 +84,9 @@ def extract_answer(text: str) -> str | None:
     line; else the last number in the text (signs, thousands separators, decimals and `a/b`
     kept). `$`, a trailing `.` and surrounding spaces are stripped.
     """
-    boxed = _boxed_contents(text)
-    if boxed:
-        return _clean(boxed[-1])
-    hashes = [answer for answer in _hash_answers(text) if _clean(answer)]
-    if hashes:
-        return _clean(hashes[-1])
+    marked = _marked_answer(text)
+    if marked is not None:
+        return marked
     numbers = _LAST_NUMBER_RE.findall(text)
     if numbers:
         return _clean(numbers[-1])
@@ -96,12 +102,9 @@ def extract_final_answer(text: str) -> str | None:
     else a number ending the last non-empty line after `=` or "is" ("19 - 5 = 14.",
     "So the total is 14"). Cleaned as in `extract_answer`.
     """
-    boxed = _boxed_contents(text)
-    if boxed:
-        return _clean(boxed[-1])
-    hashes = [answer for answer in _hash_answers(text) if _clean(answer)]
-    if hashes:
-        return _clean(hashes[-1])
+    marked = _marked_answer(text)
+    if marked is not None:
+        return marked
     stated = _ANSWER_IS_RE.findall(text)
     if stated:
         return _clean(stated[-1])

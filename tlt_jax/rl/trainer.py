@@ -391,12 +391,10 @@ class Trainer:
         with progress_bar(self.progress, "update", len(_flat(plan))) as bar:
             for mini in plan:
                 keys = [tuple(groups) for groups in mini]
-                weights = step_lib.aggregation_weights(
-                    cfg.rl.algorithm.loss_aggregation,
-                    [np.asarray(batches[k].response_mask_BxT) for k in keys],
-                )
+                masks = [np.asarray(batches[k].response_mask_BxT) for k in keys]
+                weights = step_lib.aggregation_weights(cfg.rl.algorithm.loss_aggregation, masks)
                 accum = self._zero_accumulator()
-                for key, weight in zip(keys, weights, strict=True):
+                for key, weight, mask in zip(keys, weights, masks, strict=True):
                     bar.update(1)
                     # An all-zero-advantage micro-batch has exactly zero policy gradient.
                     if not (cfg.rl.algorithm.kl_coef > 0 or has_signal[list(key)].any()):
@@ -411,8 +409,8 @@ class Trainer:
                     _, grad = self._programs(batch)
                     accum = grad(self.state.params, accum, batch, inputs)
                     trained += 1
-                    computed += batch.response_mask_BxT.size
-                    real += int(np.sum(np.asarray(batch.response_mask_BxT)))
+                    computed += mask.size
+                    real += int(mask.sum())
                 sums = jax.device_get({k: accum[k] for k in step_lib.ACCUMULATED_METRICS})
                 self.state, applied = apply(self.state, accum)
                 step_lib.add_minibatch_metrics(totals, sums, jax.device_get(applied), len(plan))
