@@ -3,13 +3,20 @@ r"""RL step time and its phase breakdown for a config (default: the main job) on
     python scripts/bench_rl_step.py --output_json /tmp/bench_rl_step.json
     python scripts/bench_rl_step.py --config configs/smollm2_arith.py:smoke --steps 2 \
         --output_json /tmp/bench_smoke.json
+    python scripts/bench_rl_step.py --layouts padded,packed --steps 2 \
+        --output_json /tmp/bench_layouts.json
 
 Runs `--warmup` RL steps (compilation; not measured) and `--steps` measured steps of the
 config's GRPO loop in a temporary workdir, then, side by side with the same engine, prompts
 and batch, plain decoding of exactly `max_new_tokens` per request (no stop token, hence no
 long tail). The JSON has `step_time_s`, the phase seconds and shares, `rollout_share`,
 `long_tail_share` (rollout time after 90% of requests finished), generated tokens/s in the
-rollout and in plain decoding, and the command, model, batch and lengths.
+rollout and in plain decoding, the update's padding share and seconds per real token, and
+the command, model, batch and lengths.
+
+With `--layouts`, it runs the same steps in each `rl.update_layout` instead, one trainer per
+layout in one process, alternating (`tlt_jax.rl.bench.bench_update_layouts`), and reports
+each layout's phase seconds and the ratios of the first layout's over the others'.
 """
 
 import json
@@ -26,21 +33,32 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
 flags.DEFINE_integer("steps", 3, "Measured RL steps.")
 flags.DEFINE_integer("warmup", 1, "RL steps run first and not measured (compilation).")
+flags.DEFINE_list("layouts", [], "Compare these rl.update_layout values side by side.")
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
-    from tlt_jax.rl.bench import bench_rl_step
+    from tlt_jax.rl.bench import bench_rl_step, bench_update_layouts
+    from tlt_jax.rl.config import UPDATE_LAYOUTS
 
+    bad = [x for x in FLAGS.layouts if x not in UPDATE_LAYOUTS]
+    if bad or len(FLAGS.layouts) == 1:
+        raise app.UsageError(f"--layouts={FLAGS.layouts}: expected two or more of "
+                             f"{list(UPDATE_LAYOUTS)}")  # fmt: skip
     command = "python " + " ".join(sys.argv)
     print(command, flush=True)
-    result = bench_rl_step(FLAGS.config, steps=FLAGS.steps, warmup=FLAGS.warmup)
+    if FLAGS.layouts:
+        result = bench_update_layouts(FLAGS.config, steps=FLAGS.steps, warmup=FLAGS.warmup,
+                                      layouts=tuple(FLAGS.layouts))  # fmt: skip
+    else:
+        result = bench_rl_step(FLAGS.config, steps=FLAGS.steps, warmup=FLAGS.warmup)
     result["command"] = command
     with open(FLAGS.output_json, "w") as f:
         json.dump(result, f, indent=2)
-    print(json.dumps({k: v for k, v in result.items() if k != "per_step"}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("per_step", "config")},
+                     indent=2, default=str)[:20000])  # fmt: skip
 
 
 if __name__ == "__main__":

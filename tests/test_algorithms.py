@@ -129,6 +129,25 @@ def test_aggregation_on_ragged_mask(name, expected):
     np.testing.assert_allclose(value, expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("token_mean", [1 / 7] * 3 + [0.0]),
+        ("seq_mean_token_sum", [1 / 3] * 3 + [0.0]),
+        ("seq_mean_token_mean", [1 / 12, 1 / 6, 1 / 3, 0.0]),  # 1 / (length * 3 rows)
+    ],
+)
+def test_token_weights_by_hand_and_against_the_aggregation(name, expected):
+    lengths = np.asarray(RAGGED_MASK).sum(1)  # 4, 2, 1, 0
+    weights = algorithms.token_weights(name, lengths)
+    np.testing.assert_allclose(weights, expected, rtol=1e-12)
+    loss = np.nan_to_num(np.asarray(RAGGED_LOSS), nan=0.0, posinf=0.0) * np.asarray(RAGGED_MASK)
+    aggregate = algorithms.LOSS_AGGREGATIONS[name](RAGGED_LOSS, RAGGED_MASK)
+    np.testing.assert_allclose(np.sum(loss * weights[:, None]), aggregate, rtol=1e-6)
+    with pytest.raises(ValueError, match="rl.loss_aggregation='mean'"):
+        algorithms.token_weights("mean", lengths)
+
+
 @pytest.mark.parametrize("name", sorted(algorithms.LOSS_AGGREGATIONS))
 def test_aggregation_of_all_padding_is_zero(name):
     value = algorithms.LOSS_AGGREGATIONS[name](jnp.full((2, 3), jnp.nan), jnp.zeros((2, 3)))

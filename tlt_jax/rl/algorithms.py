@@ -17,11 +17,12 @@ bool dtype). Values at masked positions are never trusted: they are replaced wit
 `jnp.where` before any reduction, so NaN/inf in padding cannot leak into losses or gradients.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # ---------------------------------------------------------------------------------------------
 # Advantage estimators: fn(rewards_PxG, eps) -> advantages_PxG.
@@ -156,6 +157,34 @@ LOSS_AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "seq_mean_token_mean": seq_mean_token_mean,
 }
 
+
+def token_weights(aggregation: str, lengths: Sequence[int]) -> np.ndarray:
+    """Per-token weights w_b of each sequence such that `aggregate(x) == sum_b,t w_b * x_bt`.
+
+    Host-side (numpy) and computed over a whole mini-batch, so any split of its sequences
+    into micro-batches, padded or packed, sums to exactly the mini-batch's aggregate: each
+    micro-batch contributes `sum(w * x)` over its own tokens. Sequences with no token get 0.
+
+    Args:
+      aggregation: a key of `LOSS_AGGREGATIONS`.
+      lengths: real token count of every sequence in the mini-batch.
+
+    Returns:
+      float64 [len(lengths)], the weight of each of that sequence's tokens.
+    """
+    _lookup(LOSS_AGGREGATIONS, "loss_aggregation", aggregation)
+    lengths = np.asarray(lengths, np.float64)
+    has_tokens = lengths > 0
+    sequences = max(float(has_tokens.sum()), 1.0)
+    if aggregation == "token_mean":
+        weights = np.full_like(lengths, 1.0 / max(float(lengths.sum()), 1.0))
+    elif aggregation == "seq_mean_token_sum":
+        weights = np.full_like(lengths, 1.0 / sequences)
+    else:  # seq_mean_token_mean
+        weights = 1.0 / (np.maximum(lengths, 1.0) * sequences)
+    return np.where(has_tokens, weights, 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # KL estimators against a frozen reference: fn(logprobs_BxT, ref_logprobs_BxT) -> kl_BxT.
 # Samples come from the current policy, so these estimate KL(policy || reference).
@@ -269,6 +298,72 @@ def policy_loss(
     return loss, metrics
 
 
+def weighted_policy_loss(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    loss_weights: jax.Array,
+    metric_weights: jax.Array,
+    *,
+    epsilon: float,
+    epsilon_high: float,
+    ref_logprobs: jax.Array | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`policy_loss` with the aggregation given as per-token weights (any token layout).
+
+    Every argument is per token, in the same (any) shape: padded [B, T] rows or packed rows
+    holding several sequences. With `loss_weights` from `token_weights` over a mini-batch and
+    `metric_weights` = 1 / (the mini-batch's real tokens), summing this function's outputs
+    over the micro-batches of that mini-batch gives `policy_loss` of the whole mini-batch for
+    `loss`, `pg_loss` and `kl`; the token-mean metrics (`clip_fraction`, `ratio_mean`,
+    `approx_kl_old`) come out multiplied by `weight`, the sum of `metric_weights` (1 over a
+    whole mini-batch), so they are divided by the summed `weight` at the end.
+
+    Padding carries weight 0 in both weight arrays and never reaches a value (its log-ratio
+    is zeroed before `exp`).
+
+    Returns:
+      (loss, metrics) with `pg_loss`, `kl`, `clip_fraction`, `ratio_mean`, `approx_kl_old`
+      (weighted sums as above) and `weight`.
+    """
+    use_kl = not (isinstance(kl_coef, int | float) and kl_coef == 0.0)
+    kl_fn = _lookup(KL_ESTIMATORS, "kl_estimator", kl_estimator) if use_kl else None
+    if use_kl and ref_logprobs is None:
+        raise ValueError(f"{kl_coef=} needs ref_logprobs; pass it or set kl_coef=0")
+    w = jnp.asarray(loss_weights, jnp.float32)
+    u = jnp.asarray(metric_weights, jnp.float32)
+    counts = (w > 0) | (u > 0)
+    logprobs = jnp.asarray(logprobs, jnp.float32)
+    log_ratio = jnp.where(counts, logprobs - jnp.asarray(old_logprobs, jnp.float32), 0.0)
+    ratio = jnp.exp(log_ratio)
+    adv = jnp.asarray(advantages, jnp.float32)
+    unclipped = -ratio * adv
+    clipped = -jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv
+
+    def weighted(values, weights):
+        return jnp.sum(jnp.where(counts, values, 0.0) * weights)
+
+    pg_loss = weighted(jnp.maximum(unclipped, clipped), w)
+    if use_kl:
+        safe_ref = jnp.where(counts, jnp.asarray(ref_logprobs, jnp.float32), logprobs)
+        kl = weighted(kl_fn(logprobs, safe_ref), w)
+        loss = pg_loss + kl_coef * kl
+    else:
+        kl = jnp.zeros((), jnp.float32)
+        loss = pg_loss
+    metrics = {
+        "pg_loss": pg_loss,
+        "kl": kl,
+        "clip_fraction": weighted((clipped > unclipped).astype(jnp.float32), u),
+        "ratio_mean": weighted(ratio, u),
+        "approx_kl_old": weighted((ratio - 1.0) - log_ratio, u),
+        "weight": jnp.sum(jnp.where(counts, u, 0.0)),
+    }
+    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
 # ---------------------------------------------------------------------------------------------
 # Logit helpers.
 # ---------------------------------------------------------------------------------------------
@@ -303,12 +398,19 @@ def entropy_from_logits(logits_BxTxV: jax.Array, mask_BxT: jax.Array) -> jax.Arr
     Returns:
       scalar mean entropy.
     """
+    return token_mean(token_entropy(logits_BxTxV), mask_BxT)
+
+
+def token_entropy(logits_BxTxV: jax.Array) -> jax.Array:
+    """Entropy (nats) of `softmax(logits)` at every position, float32 [B, T].
+
+    Computed from `log_softmax`; probability-0 entries (logit -inf) count as 0.
+    """
     logprobs_BxTxV = jax.nn.log_softmax(jnp.asarray(logits_BxTxV, jnp.float32))
     probs_BxTxV = jnp.exp(logprobs_BxTxV)
     # 0 * log 0 = 0; substitute before multiplying so the gradient stays finite too.
     safe_logprobs_BxTxV = jnp.where(probs_BxTxV > 0, logprobs_BxTxV, 0.0)
-    entropy_BxT = -jnp.sum(probs_BxTxV * safe_logprobs_BxTxV, axis=-1)
-    return token_mean(entropy_BxT, mask_BxT)
+    return -jnp.sum(probs_BxTxV * safe_logprobs_BxTxV, axis=-1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import tempfile
 import time
@@ -68,10 +69,78 @@ def bench_rl_step(config: Any, *, steps: int = 3, warmup: int = 1) -> dict[str, 
         "rollout_tokens_per_s": rollout_tps,
         "plain_decode_tokens_per_s": plain,
         "rollout_vs_plain": rollout_tps / plain if plain else None,
+        "update_padding_share": _mean(measured, "update_padding_share"),
+        "update_s_per_real_token": _update_s_per_token(measured),
         "compile_in_measured_steps": sum(r["compile_count"] for r in measured),
         "precompile": precompile,
         "per_step": [{k: v for k, v in r.items() if k != "response_lengths"} for r in records],
     }  # fmt: skip
+
+
+def _update_s_per_token(records: list[dict]) -> float:
+    """Update seconds per generated (real) response token, over the records."""
+    tokens = sum(r["generated_tokens"] for r in records)
+    return sum(r["time_update"] for r in records) / tokens if tokens else 0.0
+
+
+def bench_update_layouts(
+    config: Any, *, steps: int = 2, warmup: int = 1, layouts: tuple[str, ...] = ("padded", "packed")
+) -> dict[str, Any]:
+    """The same RL steps in each `rl.update_layout`, side by side in one process.
+
+    One trainer per layout, same seeds and prompts; every step runs in all of them, the
+    order rotating step by step. The first step's rollouts are identical (same weights, same
+    request seeds); later ones differ only by the layouts' float rounding in the update.
+
+    Returns:
+      Per layout the mean step and phase seconds, `update_padding_share`,
+      `update_s_per_real_token` and the per-step records; `ratios` of the first layout's
+      seconds over each other's (update, logprob, step) with their min/max over steps.
+    """
+    base = config if isinstance(config, TrainConfig) else TrainConfig.from_config_dict(config)
+    records: dict[str, list[dict]] = {name: [] for name in layouts}
+    with tempfile.TemporaryDirectory(prefix="bench_layouts_") as root:
+        trainers = {}
+        try:
+            for name in layouts:
+                rl = dataclasses.replace(base.rl, update_layout=name)
+                cfg = dataclasses.replace(base, rl=rl)
+                trainers[name] = Trainer(cfg, f"{root}/{name}", progress=False)
+                trainers[name].precompile()
+            for i in range(warmup + steps):
+                examples = next(trainers[layouts[0]].iterator)
+                for name in layouts[1:]:
+                    next(trainers[name].iterator)
+                order = layouts[i % len(layouts) :] + layouts[: i % len(layouts)]
+                for name in order:
+                    records[name].append(trainers[name].run_step(examples))
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
+    out: dict[str, Any] = {"config": base.to_dict(), "layouts": list(layouts),
+                           "steps_measured": steps, "warmup_steps": warmup}  # fmt: skip
+    keys = ("time_update", "time_logprob", "step_time")
+    for name, recs in records.items():
+        measured = recs[warmup:]
+        out[name] = {
+            **{k: _mean(measured, k) for k in keys},
+            **{f"time_{p}": _mean(measured, f"time_{p}") for p in PHASES},
+            "update_padding_share": _mean(measured, "update_padding_share"),
+            "update_tokens_computed": _mean(measured, "update_tokens_computed"),
+            "update_s_per_real_token": _update_s_per_token(measured),
+            "micro_batches_trained": _mean(measured, "micro_batches_trained"),
+            "per_step": [{k: v for k, v in r.items() if k != "response_lengths"} for r in recs],
+        }
+    first = records[layouts[0]][warmup:]
+    out["ratios"] = {}
+    for name in layouts[1:]:
+        for k in keys:
+            per_step = [a[k] / b[k] for a, b in zip(first, records[name][warmup:], strict=True)]
+            out["ratios"][f"{k}_{layouts[0]}_over_{name}"] = {
+                "mean": sum(a[k] for a in first) / sum(b[k] for b in records[name][warmup:]),
+                "min": min(per_step), "max": max(per_step),
+            }  # fmt: skip
+    return out
 
 
 def _plain_decode(trainer: Trainer, examples: list[dict]) -> float:

@@ -41,6 +41,7 @@ from tlt_jax.rl.rewards import REWARD_FUNCTIONS, RewardFunction
 from tlt_jax.rollout.adaptive import DRAFT_SOURCES, BanditConfig
 
 TOKENIZERS = ("checkpoint", "byte")
+UPDATE_LAYOUTS = ("packed", "padded")
 
 
 def resolve_reward_fn(name: str) -> RewardFunction:
@@ -164,6 +165,10 @@ class RLConfig:
       max_nonfinite_steps: stop after this many consecutive non-finite losses (K).
       min_length_bucket: smallest padded prompt / response length; lengths pad to powers of two
         from here, so the train programs compile for a few shapes only.
+      update_layout: token layout of the log-prob recompute and the update: "packed" (rows of
+        prompt + responses end to end, segment masks, computing about the real tokens; the
+        same token budget per micro-batch as a padded one at its longest) or "padded"
+        (`micro_batch_size` sequences, each padded to the micro-batch's longest response).
       algorithm: advantage estimator, loss aggregation, clipping and KL (flat in the group).
     """
 
@@ -176,6 +181,7 @@ class RLConfig:
     reward_timeout_s: float = 5.0
     max_nonfinite_steps: int = 3
     min_length_bucket: int = 16
+    update_layout: str = "packed"
     algorithm: AlgorithmConfig = AlgorithmConfig()
 
     def __post_init__(self):
@@ -185,6 +191,9 @@ class RLConfig:
         _positive_int("rl", "num_minibatches", self.num_minibatches)
         _positive_int("rl", "max_nonfinite_steps", self.max_nonfinite_steps)
         _positive_int("rl", "min_length_bucket", self.min_length_bucket)
+        _require(self.update_layout in UPDATE_LAYOUTS,
+                 f"rl.update_layout={self.update_layout!r} is not one of "
+                 f"{list(UPDATE_LAYOUTS)}")  # fmt: skip
         batch = self.batch_size
         _require(
             self.micro_batch_size % self.group_size == 0 and batch % self.micro_batch_size == 0,

@@ -26,6 +26,7 @@ from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import Transformer, abstract_state, init_model
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.programs import ProgramPool
+from tlt_jax.rl import packing
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.config import ModelSettings, SpecConfig, TrainConfig
 from tlt_jax.rollout import calibrate as calibrate_lib
@@ -280,13 +281,19 @@ def lower_grad_program(config: TrainConfig, plan: RunPlan, *, prompt_len: int,
         return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
 
     rl = config.rl
-    b, p = rl.micro_batch_size, rl.micro_batch_size // rl.group_size
-    batch = step_lib.SequenceBatch(spec((p, prompt_len), jnp.int32), spec((p,), jnp.int32),
-                                   spec((b, response_len), jnp.int32),
-                                   spec((b, response_len), jnp.bool_))  # fmt: skip
-    inputs = step_lib.LossInputs(spec((b, response_len), jnp.float32),
-                                 spec((b, response_len), jnp.float32), spec((b,), jnp.float32),
-                                 spec((), jnp.float32))  # fmt: skip
+    if rl.update_layout == "packed":
+        cols, rows = packing.packed_geometry(prompt_len, response_len, rl.micro_batch_size,
+                                             rl.group_size, rl.min_length_bucket)  # fmt: skip
+        tokens = spec((rows, cols), jnp.int32)
+        batch = step_lib.PackedBatch(tokens, tokens, tokens, tokens, tokens,
+                                     spec((rows, cols), jnp.bool_))  # fmt: skip
+    else:
+        rows, cols = rl.micro_batch_size, response_len
+        p = rl.micro_batch_size // rl.group_size
+        batch = step_lib.SequenceBatch(spec((p, prompt_len), jnp.int32), spec((p,), jnp.int32),
+                                       spec((rows, cols), jnp.int32),
+                                       spec((rows, cols), jnp.bool_))  # fmt: skip
+    inputs = step_lib.LossInputs(*[spec((rows, cols), jnp.float32)] * 5)
     accum = {name: spec((), jnp.float32) for name in step_lib.ACCUMULATED_METRICS}
     accum["grads"] = params
     graphdef, _ = abstract_state(plan.model)

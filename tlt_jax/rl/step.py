@@ -1,20 +1,32 @@
 """The RL step's device programs: log-prob recompute, gradient accumulation, optimizer update.
 
 Dimension legend (as in `algorithms.py`): P prompts in a micro-batch, G group size,
-B = P * G sequences, S padded prompt length, T padded response length, D model, V vocab.
+B = P * G sequences, S padded prompt length, T padded response length, R packed rows,
+L packed row length, D model, V vocab.
 
-Layout: a micro-batch holds whole groups. The G completions of a prompt share its forward:
-the prompt runs once (`[P, S]`), its keys/values are repeated G times as the KV cache of the
-response forward (`[B, T]`, positions continuing after each prompt). This is the same math as a
-forward over every `prompt + response` row (a parity test checks it), at about
-`(S + G * T) / (G * (S + T))` of the cost, and gradients flow through the shared prompt keys
-and values. The log-prob of response token t comes from the feature before it: the last prompt
-feature for t = 0, the response feature t - 1 otherwise.
+Two token layouts, one loss (`rl.update_layout`):
+- **padded** (`SequenceBatch`): a micro-batch holds whole groups. The prompt runs once
+  (`[P, S]`), its keys/values are repeated G times as the KV cache of the response forward
+  (`[B, T]`, positions continuing after each prompt). Every response pads to the micro-batch's
+  longest, so one long-tail straggler makes its micro-batch pay its length on every row.
+- **packed** (`PackedBatch`, built by `rl/packing.py`): rows of L tokens hold pieces, each one
+  prompt followed by some of its group's responses. A response attends to its piece's prompt
+  and causally to itself (`packed_mask`), never to a sibling or another piece, with positions
+  continuing after the prompt: the same math as one forward per `prompt + response`, on
+  about the real tokens only.
+Both are the math of a forward over every `prompt + response` row (parity tests check it);
+gradients flow through the prompt keys and values. The log-prob of response token t comes
+from the feature before it: the prompt's last feature for t = 0, the response's t - 1 after.
+
+The loss is per token in whichever layout (`algorithms.weighted_policy_loss`): the host gives
+each token its aggregation weight over the whole mini-batch (`algorithms.token_weights`), so
+micro-batch losses sum to the mini-batch loss exactly, however the tokens were split.
 
 Programs are pure and compiled ahead of time per padded shape (`ProgramPool`):
-- `logprob_program(params, batch) -> (logprobs_BxT, prompt_features_PxSxD, features_BxTxD)`.
-- `grad_program(params, accum, batch, ...) -> accum` adds one micro-batch's weighted loss
-  gradient into the accumulator (donated).
+- `logprob_program(params, batch) -> (logprobs, features)` (per-token log-probs in the
+  batch's layout, zero off responses; the final-norm features for the drafter's buffer).
+- `grad_program(params, accum, batch, inputs, ...) -> accum` adds one micro-batch's weighted
+  loss gradient into the accumulator (donated).
 - `apply_program(state, accum) -> (state, metrics)` takes one AdamW step (state and
   accumulator donated), or keeps the state unchanged when the loss or gradient is not finite.
 """
@@ -32,7 +44,7 @@ import optax
 from flax import nnx, struct
 
 from tlt_jax import optim
-from tlt_jax.models.transformer import KVCache
+from tlt_jax.models.transformer import KVCache, causal_mask
 from tlt_jax.programs import abstract_like
 from tlt_jax.rl import algorithms
 from tlt_jax.rl.config import OptimConfig
@@ -64,13 +76,27 @@ class SequenceBatch:
 
 
 @struct.dataclass
-class LossInputs:
-    """Per-micro-batch inputs of the policy loss besides the sequences."""
+class PackedBatch:
+    """One packed micro-batch: R rows of L positions (host numpy until a program gets it)."""
 
-    old_logprobs_BxT: Any  # float32, log-probs under the policy that sampled (recomputed)
-    ref_logprobs_BxT: Any  # float32, reference-policy log-probs (zeros when kl_coef == 0)
-    advantages_B: Any  # float32
-    weight: Any  # float32 scalar, this micro-batch's share of the mini-batch's aggregation
+    tokens_RxL: Any  # int32
+    positions_RxL: Any  # int32, RoPE positions: 0.. along a prompt, continuing into responses
+    piece_RxL: Any  # int32, which piece of its row a position belongs to (-1: padding)
+    segment_RxL: Any  # int32, 0 on a piece's prompt, k >= 1 on its k-th response
+    predictor_RxL: Any  # int32, column of the feature that predicts this position's token
+    response_mask_RxL: Any  # bool, real response tokens (the ones the loss sees)
+
+
+@struct.dataclass
+class LossInputs:
+    """Per-token inputs of the policy loss, in the layout of the batch's log-probs
+    (`[B, T]` padded, `[R, L]` packed); 0 wherever there is no response token."""
+
+    old_logprobs: Any  # float32, log-probs under the policy that sampled (recomputed)
+    ref_logprobs: Any  # float32, reference-policy log-probs (zeros when kl_coef == 0)
+    advantages: Any  # float32, the token's sequence advantage
+    loss_weights: Any  # float32, the token's aggregation weight over its mini-batch
+    metric_weights: Any  # float32, 1 / the mini-batch's real tokens (token-mean metrics)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -139,41 +165,86 @@ def sequence_forward(model, batch: SequenceBatch, temperature: float):
     return logprobs, logits, prompt_features, features
 
 
-def logprob_program(graphdef, params, batch: SequenceBatch, *, temperature: float):
-    """(logprobs_BxT, prompt_features_PxSxD, features_BxTxD) of one micro-batch, no gradient."""
+def packed_mask(piece_RxL: jax.Array, segment_RxL: jax.Array) -> jax.Array:
+    """[R, L, L] attention mask of packed rows: causal, within a piece, and a response sees
+    only its piece's prompt and itself (padding, piece -1, sees earlier padding only)."""
+    r, length = piece_RxL.shape
+    same_piece = piece_RxL[:, :, None] == piece_RxL[:, None, :]
+    own_or_prompt = (segment_RxL[:, :, None] == segment_RxL[:, None, :]) | (
+        segment_RxL[:, None, :] == 0
+    )
+    return causal_mask(r, length) & same_piece & own_or_prompt
+
+
+def packed_forward(model, batch: PackedBatch, temperature: float):
+    """Log-probs of every packed position's token and the final-norm features.
+
+    Returns:
+      (logprobs_RxL float32, logits_RxLxV float32, features_RxLxD). Only positions in
+      `response_mask_RxL` are meaningful in the first two.
+    """
+    mask = packed_mask(batch.piece_RxL, batch.segment_RxL)
+    features, _ = model(batch.tokens_RxL, batch.positions_RxL, mask_BxTxT=mask)
+    predicting = jnp.take_along_axis(features, batch.predictor_RxL[..., None], axis=1)
+    logits = model.logits(predicting)
+    logprobs = algorithms.token_logprobs(logits, batch.tokens_RxL, temperature)
+    return logprobs, logits, features
+
+
+def response_mask(batch: SequenceBatch | PackedBatch):
+    """The real response tokens of either layout (the shape of its log-probs)."""
+    if isinstance(batch, PackedBatch):
+        return batch.response_mask_RxL
+    return batch.response_mask_BxT
+
+
+def _forward(model, batch: SequenceBatch | PackedBatch, temperature: float):
+    """(logprobs, logits, features) of either layout; features are `(prompt, response)`
+    arrays for a padded batch and one `[R, L, D]` array for a packed one."""
+    if isinstance(batch, PackedBatch):
+        return packed_forward(model, batch, temperature)
+    logprobs, logits, prompt_features, features = sequence_forward(model, batch, temperature)
+    return logprobs, logits, (prompt_features, features)
+
+
+def logprob_program(graphdef, params, batch: SequenceBatch | PackedBatch, *,
+                    temperature: float):  # fmt: skip
+    """(logprobs, features) of one micro-batch, no gradient; log-probs 0 off responses."""
     model = nnx.merge(graphdef, params)
-    logprobs, _, prompt_features, features = sequence_forward(model, batch, temperature)
-    mask = batch.response_mask_BxT
-    return jnp.where(mask, logprobs, 0.0), prompt_features, features
+    logprobs, _, features = _forward(model, batch, temperature)
+    return jnp.where(response_mask(batch), logprobs, 0.0), features
 
 
-def _micro_batch_loss(params, graphdef, batch: SequenceBatch, inputs: LossInputs, *,
+def _micro_batch_loss(params, graphdef, batch, inputs: LossInputs, *,
                       algorithm: algorithms.AlgorithmConfig, temperature: float):  # fmt: skip
     model = nnx.merge(graphdef, params)
-    logprobs, logits, _, _ = sequence_forward(model, batch, temperature)
-    ref = inputs.ref_logprobs_BxT if algorithm.kl_coef else None
-    loss, metrics = algorithms.compute_loss(
-        algorithm, logprobs, inputs.old_logprobs_BxT, inputs.advantages_B,
-        batch.response_mask_BxT, ref,
+    logprobs, logits, _ = _forward(model, batch, temperature)
+    mask = response_mask(batch)
+    # Weights are 0 off responses already; the mask also guards against a host mistake.
+    loss_weights = jnp.where(mask, inputs.loss_weights, 0.0)
+    metric_weights = jnp.where(mask, inputs.metric_weights, 0.0)
+    loss, metrics = algorithms.weighted_policy_loss(
+        logprobs, inputs.old_logprobs, inputs.advantages, loss_weights, metric_weights,
+        epsilon=algorithm.epsilon, epsilon_high=algorithm.epsilon_high,
+        ref_logprobs=inputs.ref_logprobs if algorithm.kl_coef else None,
+        kl_coef=algorithm.kl_coef, kl_estimator=algorithm.kl_estimator,
     )  # fmt: skip
     # Entropy of the sampling distribution (temperature applied), a metric only.
-    entropy = algorithms.entropy_from_logits(jax.lax.stop_gradient(logits) / temperature,
-                                             batch.response_mask_BxT)  # fmt: skip
-    metrics = dict(metrics, entropy=entropy, loss=loss)
-    return loss * inputs.weight, metrics
+    entropy = algorithms.token_entropy(jax.lax.stop_gradient(logits) / temperature)
+    metrics = dict(metrics, entropy=jnp.sum(jnp.where(mask, entropy, 0.0) * metric_weights),
+                   loss=jax.lax.stop_gradient(loss))  # fmt: skip
+    return loss, metrics
 
 
-def grad_program(graphdef, params, accum: dict, batch: SequenceBatch, inputs: LossInputs, *,
+def grad_program(graphdef, params, accum: dict, batch, inputs: LossInputs, *,
                  algorithm: algorithms.AlgorithmConfig, temperature: float) -> dict:  # fmt: skip
     """Adds one micro-batch's weighted loss gradient (and weighted metrics) into `accum`."""
     grad_fn = jax.grad(_micro_batch_loss, has_aux=True)
     grads, metrics = grad_fn(params, graphdef, batch, inputs, algorithm=algorithm,
                              temperature=temperature)  # fmt: skip
     out = {"grads": jax.tree.map(lambda a, g: a + g.astype(a.dtype), accum["grads"], grads)}
-    weight = inputs.weight.astype(jnp.float32)
     for name in ACCUMULATED_METRICS:
-        value = weight if name == "weight" else weight * metrics[name]
-        out[name] = accum[name] + value
+        out[name] = accum[name] + metrics[name]
     return out
 
 
@@ -254,29 +325,19 @@ def build_sequence_batch(prompts: list[tuple[int, ...]], responses: list[list[in
     return SequenceBatch(prompt_tokens, lens, response_tokens, response_mask)
 
 
-def aggregation_weights(aggregation: str, masks: list[np.ndarray]) -> list[float]:
-    """Each micro-batch's share of a mini-batch's loss aggregation, so weighted micro-batch
-    losses sum to the mini-batch loss exactly.
-
-    `token_mean` divides by real tokens, the `seq_mean_*` aggregations by sequences that have
-    a token; a micro-batch's weight is its count over the mini-batch's count.
-    """
-    if aggregation == "token_mean":
-        counts = [float(np.sum(m)) for m in masks]
-    else:
-        counts = [float(np.sum(np.any(m, axis=-1))) for m in masks]
-    total = max(sum(counts), 1.0)
-    return [c / total for c in counts]
+# Accumulated metrics that are mini-batch values already (weighted sums); the others are
+# token means, divided by the accumulated `weight` (the trained share of the tokens).
+SUMMED_METRICS = ("loss", "pg_loss", "kl")
 
 
 def add_minibatch_metrics(totals: dict, sums: dict, applied: dict, minibatches: int) -> None:
-    """Averages one mini-batch's metrics into `totals`: `loss` is the mini-batch loss (zero-
-    advantage micro-batches contribute exactly 0); the other loss metrics are means over the
-    trained micro-batches; `skipped` is 1 if any update was skipped."""
+    """Averages one mini-batch's metrics into `totals`: `loss`, `pg_loss` and `kl` are the
+    mini-batch's values (zero-advantage micro-batches, skipped, contribute exactly 0); the
+    token-mean metrics are means over the trained tokens; `skipped` is 1 if any update was."""
     sums = {k: float(v) for k, v in sums.items()}
     weight = sums.pop("weight")
     for k, v in sums.items():
-        value = v if k == "loss" else (v / weight if weight > 0 else 0.0)
+        value = v if k in SUMMED_METRICS else (v / weight if weight > 0 else 0.0)
         totals[k] = totals.get(k, 0.0) + value / minibatches
     for k, v in applied.items():
         if k == "skipped":
@@ -285,11 +346,11 @@ def add_minibatch_metrics(totals: dict, sums: dict, applied: dict, minibatches: 
             totals[k] = totals.get(k, 0.0) + float(v) / minibatches
 
 
-def logprob_gap(recomputed_BxT: np.ndarray, engine: list[list[float]]) -> float:
-    """Mean |engine log-prob - recomputed log-prob| over response tokens."""
-    gaps = [abs(lp - recomputed_BxT[b, t]) for b, row in enumerate(engine)
-            for t, lp in enumerate(row)]  # fmt: skip
-    return float(np.mean(gaps)) if gaps else 0.0
+def logprob_gap(recomputed: list[np.ndarray], engine: list[list[float]]) -> float:
+    """Mean |engine log-prob - recomputed log-prob| over response tokens (per response)."""
+    gaps = [np.abs(np.asarray(e, np.float64) - r[: len(e)]) for r, e in
+            zip(recomputed, engine, strict=True) if len(e)]  # fmt: skip
+    return float(np.mean(np.concatenate(gaps))) if gaps else 0.0
 
 
 def plan_micro_batches(has_signal: np.ndarray, group_size: int, micro_batch_size: int,

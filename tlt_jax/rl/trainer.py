@@ -42,7 +42,7 @@ from tlt_jax.metrics.progress import progress_bar
 from tlt_jax.metrics.writer import MetricsWriter, read_metrics
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.programs import ProgramPool, abstract_like
-from tlt_jax.rl import evaluation, policy
+from tlt_jax.rl import evaluation, packing, policy
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import compute_advantages
 from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
@@ -56,10 +56,9 @@ log = logging.getLogger(__name__)
 class FeatureSink(Protocol):
     """Receives what the log-prob recompute computed (e.g. `tlt_jax.drafter.data.DrafterBuffer`).
 
-    `tokens` [B, S + T] are prompt + response ids, `features` [B, S + T, D] the policy's
-    final-norm features at the same positions, `response_mask` marks response tokens and
-    `valid_mask` real ones (prompt and response are padded separately, so padding sits between
-    them as well as after).
+    Row i of `tokens` [N, W] is one sequence, its prompt then its response, right-padded;
+    `features` [N, W, D] are the policy's final-norm features at the same positions,
+    `response_mask` marks the response tokens and `valid_mask` the real ones.
     """
 
     def add(self, tokens, features, response_mask, step: int, valid_mask=None) -> int: ...
@@ -126,6 +125,7 @@ class Trainer:
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k
         )
+        self.row_len, self.max_rows = packing.run_geometry(cfg.rl, cfg.rollout)
 
         total_updates = cfg.total_steps * cfg.rl.num_minibatches
         self.optimizer = step_lib.make_optimizer(cfg.optim, total_updates)
@@ -174,33 +174,30 @@ class Trainer:
             return jax.device_put(tree)
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
-    def _programs(self, batch: step_lib.SequenceBatch):
-        """(logprob, grad) programs for this batch's padded shape, compiled on first use."""
+    def _programs(self, batch: step_lib.SequenceBatch | step_lib.PackedBatch):
+        """(logprob, grad) programs for this batch's layout and shape, compiled on first use."""
         cfg = self.config
-        s, t = batch.prompt_tokens_PxS.shape[1], batch.response_tokens_BxT.shape[1]
-        b = batch.response_tokens_BxT.shape[0]
+        rows, cols = step_lib.response_mask(batch).shape
+        if isinstance(batch, step_lib.PackedBatch):
+            shape = ("packed", rows, cols)
+        else:
+            shape = ("padded", batch.prompt_tokens_PxS.shape[1], cols)
         temperature = float(cfg.rollout.temperature)
         params = abstract_like(self.state.params)
         batch_spec = abstract_like(batch)
-
-        def loss_inputs():
-            per_token = jax.ShapeDtypeStruct((b, t), jnp.float32)
-            return step_lib.LossInputs(per_token, per_token,
-                                       jax.ShapeDtypeStruct((b,), jnp.float32),
-                                       jax.ShapeDtypeStruct((), jnp.float32))  # fmt: skip
-
+        per_token = jax.ShapeDtypeStruct((rows, cols), jnp.float32)
         logprob = self.pool.get(
-            ("logprob", s, t),
+            ("logprob", *shape),
             step_lib.partial_program(step_lib.logprob_program, self.graphdef,
                                      temperature=temperature),
             lambda: (params, batch_spec),
         )  # fmt: skip
         grad = self.pool.get(
-            ("grad", s, t),
+            ("grad", *shape),
             step_lib.partial_program(step_lib.grad_program, self.graphdef,
                                      algorithm=cfg.rl.algorithm, temperature=temperature),
             lambda: (params, step_lib.abstract_accumulator(self.state.params), batch_spec,
-                     loss_inputs()),
+                     step_lib.LossInputs(*[per_token] * 5)),
             donate=(1,),
         )  # fmt: skip
         return logprob, grad
@@ -234,8 +231,15 @@ class Trainer:
         examples = next(probe)
         groups = cfg.rl.micro_batch_size // cfg.rl.group_size
         prompts = [self.encode(ex["question"]) for ex in examples[:groups]]
-        responses = [[0] * cfg.rollout.max_new_tokens] * (groups * cfg.rl.group_size)
-        batch = self._sequence_batch(prompts, responses)
+        if cfg.rl.update_layout == "packed":
+            # The full-size packed micro-batch (smaller row counts compile when first met).
+            batch = packing.build_packed_batch([], self.max_rows, self.row_len, [], [])[0]
+        else:
+            responses = [[0] * cfg.rollout.max_new_tokens] * (groups * cfg.rl.group_size)
+            batch = step_lib.build_sequence_batch(
+                prompts, responses, cfg.rl.group_size, min_bucket=cfg.rl.min_length_bucket,
+                max_prompt=cfg.rollout.max_prompt_len, max_response=cfg.rollout.max_new_tokens,
+            )  # fmt: skip
         self._programs(self._put(batch))
         self._apply_program()
         report = [{"program": "/".join(map(str, c.key)), "compile_s": round(c.seconds, 2),
@@ -246,13 +250,6 @@ class Trainer:
         return report
 
     # -- one step ------------------------------------------------------------------------------
-
-    def _sequence_batch(self, prompts, responses) -> step_lib.SequenceBatch:
-        cfg = self.config
-        return step_lib.build_sequence_batch(
-            prompts, responses, cfg.rl.group_size, min_bucket=cfg.rl.min_length_bucket,
-            max_prompt=cfg.rollout.max_prompt_len, max_response=cfg.rollout.max_new_tokens,
-        )  # fmt: skip
 
     def run_step(self, examples: list[dict]) -> dict[str, Any]:
         """One RL step on a batch of prompts; returns its metrics record."""
@@ -283,42 +280,45 @@ class Trainer:
             rewards_PxG = scored.rewards.reshape(len(prompts), g)
             advantages = np.asarray(compute_advantages(cfg.rl.algorithm, rewards_PxG), np.float32)
             has_signal = np.any(advantages != 0, axis=1)
-        group_lengths = np.asarray([len(c.token_ids) for c in completions]).reshape(-1, g).max(1)
-        plan = step_lib.plan_micro_batches(has_signal, g, cfg.rl.micro_batch_size,
-                                           cfg.rl.num_minibatches, group_lengths)  # fmt: skip
+        responses = [c.token_ids for c in completions]
         needs_all = self.feature_sink is not None or cfg.rl.algorithm.kl_coef > 0
+        minibatches, micro_plan = packing.micro_batches(
+            cfg.rl, cfg.rollout, prompts, responses, has_signal, include_silent=needs_all
+        )  # fmt: skip
+        flat = [(i, j) for i, micros in enumerate(micro_plan) for j in range(len(micros))]
         batches, old_logprobs, ref_logprobs = {}, {}, {}
         logprob_diffs = []
         with (
             timer.phase("logprob"),
-            progress_bar(self.progress, "logprob", len(_flat(plan))) as bar,
+            progress_bar(self.progress, "logprob", len(flat)) as bar,
         ):
-            for groups in _flat(plan):
+            for key in flat:
                 bar.update(1)
-                key = tuple(groups)
-                responses = [completions[q * g + j].token_ids for q in groups for j in range(g)]
-                batch = self._put(self._sequence_batch([prompts[q] for q in groups], responses))
-                batches[key] = batch
-                if not (needs_all or has_signal[groups].any()):
+                micro = micro_plan[key[0]][key[1]]
+                if not (needs_all or micro.trained):
                     continue
+                batch = batches[key] = self._put(micro.batch)
                 logprob, _ = self._programs(batch)
-                logprobs, prompt_features, features = logprob(self.state.params, batch)
-                old_logprobs[key] = logprobs
+                old_logprobs[key], features = logprob(self.state.params, batch)
                 if self.reference_params is not None:
                     ref_logprobs[key] = logprob(self.reference_params, batch)[0]
                 if self.feature_sink is not None:
-                    self._feed_sink(batch, prompt_features, features, step)
+                    tokens, feats, response_mask, valid = micro.sink_rows(features)
+                    self.feature_sink.add(tokens, feats, response_mask, step, valid_mask=valid)
             jax.block_until_ready(old_logprobs)
         with timer.phase("update"):
-            update = self._update(plan, batches, old_logprobs, ref_logprobs, advantages,
-                                  has_signal)  # fmt: skip
+            update = self._update(minibatches, micro_plan, batches, old_logprobs, ref_logprobs,
+                                  advantages, responses)  # fmt: skip
         with timer.phase("sync"):
             self.sync_weights()
         self.state = self.state.replace(step=self.state.step + 1)
         self.step_count = step
         for key, logprobs in old_logprobs.items():
-            engine_lp = [completions[q * g + j].logprobs for q in key for j in range(g)]
-            logprob_diffs.append(step_lib.logprob_gap(np.asarray(logprobs), engine_lp))
+            micro = micro_plan[key[0]][key[1]]
+            engine_lp = [completions[b].logprobs for b in micro.response_ids]
+            logprob_diffs.append(
+                step_lib.logprob_gap(micro.per_response(np.asarray(logprobs)), engine_lp)
+            )
 
         lengths = [len(c.token_ids) for c in completions]
         generated = int(sum(lengths))
@@ -368,56 +368,54 @@ class Trainer:
         out["sd_choices"] = self.engine.step_policy.choice_counts()
         return out
 
-    def _feed_sink(self, batch, prompt_features, features, step: int) -> None:
-        g = self.config.rl.group_size
-        prompt_tokens = np.repeat(np.asarray(batch.prompt_tokens_PxS), g, axis=0)
-        lens = np.repeat(np.asarray(batch.prompt_lens_P), g)
-        prompt_valid = np.arange(prompt_tokens.shape[1])[None, :] < lens[:, None]
-        response_mask = np.asarray(batch.response_mask_BxT)
-        tokens = np.concatenate([prompt_tokens, np.asarray(batch.response_tokens_BxT)], axis=1)
-        feats = jnp.concatenate([jnp.repeat(prompt_features, g, axis=0), features], axis=1)
-        self.feature_sink.add(
-            tokens, feats, np.concatenate([np.zeros_like(prompt_valid), response_mask], axis=1),
-            step, valid_mask=np.concatenate([prompt_valid, response_mask], axis=1),
-        )  # fmt: skip
+    def _update(self, minibatches, micro_plan, batches, old_logprobs, ref_logprobs, advantages,
+                responses) -> dict[str, float]:  # fmt: skip
+        """Gradient accumulation over micro-batches and one optimizer step per mini-batch.
 
-    def _update(self, plan, batches, old_logprobs, ref_logprobs, advantages, has_signal
-                ) -> dict[str, float]:  # fmt: skip
-        """Gradient accumulation over micro-batches and one optimizer step per mini-batch."""
-        cfg = self.config
+        Each token's loss weight is its aggregation weight over the whole mini-batch (silent
+        groups count in the denominators even when their micro-batches are skipped), so the
+        accumulated loss is the mini-batch's `policy_loss` exactly, in either layout.
+        """
+        cfg, g = self.config, self.config.rl.group_size
         apply = self._apply_program()
+        advantages = np.asarray(advantages, np.float32).reshape(-1)
         totals: dict[str, float] = {}
-        trained = computed = real = 0
-        with progress_bar(self.progress, "update", len(_flat(plan))) as bar:
-            for mini in plan:
-                keys = [tuple(groups) for groups in mini]
-                masks = [np.asarray(batches[k].response_mask_BxT) for k in keys]
-                weights = step_lib.aggregation_weights(cfg.rl.algorithm.loss_aggregation, masks)
+        trained = computed = needed = 0
+        num_micro = sum(len(m) for m in micro_plan)
+        with progress_bar(self.progress, "update", num_micro) as bar:
+            for i, (groups, micros) in enumerate(zip(minibatches, micro_plan, strict=True)):
+                loss_w, metric_w = packing.minibatch_weights(
+                    cfg.rl.algorithm.loss_aggregation, groups, g, responses
+                )  # fmt: skip
                 accum = self._zero_accumulator()
-                for key, weight, mask in zip(keys, weights, masks, strict=True):
+                for j, micro in enumerate(micros):
                     bar.update(1)
                     # An all-zero-advantage micro-batch has exactly zero policy gradient.
-                    if not (cfg.rl.algorithm.kl_coef > 0 or has_signal[list(key)].any()):
+                    if not (cfg.rl.algorithm.kl_coef > 0 or micro.trained):
                         continue
-                    batch = batches[key]
+                    key = (i, j)
                     ref = ref_logprobs.get(key)
                     if ref is None:
-                        ref = np.zeros(batch.response_tokens_BxT.shape, np.float32)
+                        ref = np.zeros(micro.shape, np.float32)
                     inputs = self._put(step_lib.LossInputs(
-                        old_logprobs[key], ref, advantages[list(key)].reshape(-1),
-                        np.float32(weight)))  # fmt: skip
-                    _, grad = self._programs(batch)
-                    accum = grad(self.state.params, accum, batch, inputs)
+                        old_logprobs[key], ref, micro.per_token(advantages),
+                        micro.per_token(loss_w), micro.per_token(metric_w)))  # fmt: skip
+                    _, grad = self._programs(batches[key])
+                    accum = grad(self.state.params, accum, batches[key], inputs)
                     trained += 1
-                    computed += mask.size
-                    real += int(mask.sum())
-                sums = jax.device_get({k: accum[k] for k in step_lib.ACCUMULATED_METRICS})
+                    computed += micro.computed
+                    needed += micro.needed
+                # The update is dispatched before any metric is read back.
                 self.state, applied = apply(self.state, accum)
-                step_lib.add_minibatch_metrics(totals, sums, jax.device_get(applied), len(plan))
-        # Response positions the gradient programs computed vs real response tokens.
-        totals["update_padding_share"] = 1.0 - real / computed if computed else 0.0
+                sums = jax.device_get({k: accum[k] for k in step_lib.ACCUMULATED_METRICS})
+                step_lib.add_minibatch_metrics(totals, sums, jax.device_get(applied),
+                                               len(micro_plan))  # fmt: skip
+        # Token positions the gradient programs computed that were not real prompt or
+        # response tokens (each group's prompt counted once per micro-batch it is in).
+        totals["update_padding_share"] = 1.0 - needed / computed if computed else 0.0
+        totals["update_tokens_computed"] = computed
         totals["micro_batches_trained"] = trained
-        totals["micro_batches_total"] = len(_flat(plan))
+        totals["micro_batches_total"] = num_micro
         return totals
 
     def sync_weights(self) -> None:
@@ -497,11 +495,6 @@ class Trainer:
     def close(self) -> None:
         self.checkpointer.close()
         self.writer.close()
-
-
-def _flat(plan: list[list[list[int]]]) -> list[list[int]]:
-    """The micro-batches (group indices) of every mini-batch, in order."""
-    return [groups for mini in plan for groups in mini]
 
 
 def _summary(record: dict[str, Any]) -> str:

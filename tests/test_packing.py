@@ -1,0 +1,186 @@
+"""Packed update micro-batches: hand-checked layouts, and the packed forward, loss and gradient
+against per-sequence forwards, `algorithms.policy_loss` and the padded layout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tlt_jax.models.presets import get_preset
+from tlt_jax.models.transformer import init_model
+from tlt_jax.rl import algorithms, packing
+from tlt_jax.rl import step as step_lib
+from tlt_jax.rl.algorithms import AlgorithmConfig
+
+PROMPTS = [(5, 6, 7, 8, 9), (10, 11)]
+RESPONSES = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10, 11, 12]]  # group size 2
+ADVANTAGES = np.asarray([0.5, -1.0, 2.0, -0.3], np.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = init_model(get_preset("tiny"), seed=3)
+    graphdef, params = nnx.split(model)
+    return model, graphdef, params
+
+
+def _micro(row_len, max_rows=4, signal=(True, True), silent=False):
+    return packing.packed_micro_batches(
+        PROMPTS, RESPONSES, [[0, 1]], 2, np.asarray(signal), row_len=row_len,
+        max_rows=max_rows, include_silent=silent,
+    )[0]  # fmt: skip
+
+
+def test_pack_rows_by_hand():
+    lens_p, lens_r = [len(p) for p in PROMPTS], [len(r) for r in RESPONSES]
+    # Group 1 has the longest response, so it goes first: prompt 2 + 6 + 2 = 10 tokens. Group
+    # 0 (5 + 3 + 1) does not fit the 2 left in a 12-token row, so it opens a second row.
+    assert packing.pack_rows(lens_p, lens_r, [0, 1], 2, 12) == [[(1, [3, 2])], [(0, [0, 1])]]
+    # A 19-token row holds both pieces.
+    assert packing.pack_rows(lens_p, lens_r, [0, 1], 2, 19) == [[(1, [3, 2]), (0, [0, 1])]]
+    # A response that does not fit beside its piece's prompt opens a piece in another row.
+    assert packing.pack_rows(lens_p, lens_r, [1], 2, 8) == [[(1, [3])], [(1, [2])]]
+    with pytest.raises(ValueError, match=r"prompt 1 \(2 tokens\) \+ response 3 \(6 tokens\) = 8"):
+        packing.pack_rows(lens_p, lens_r, [1], 2, 7)
+    # Empty responses take no room.
+    assert packing.pack_rows([3], [0, 2], [0], 2, 8) == [[(0, [1])]]
+
+
+@pytest.mark.parametrize(
+    ("rows", "max_rows", "expected"),
+    [(0, 4, (0, 0)), (1, 12, (1, 1)), (5, 12, (1, 6)), (12, 12, (1, 12)), (13, 12, (2, 8)),
+     (16, 12, (2, 8)), (25, 12, (3, 12)), (7, 5, (2, 4))],
+)  # fmt: skip
+def test_split_rows(rows, max_rows, expected):
+    assert packing.split_rows(rows, max_rows) == expected
+
+
+def test_packed_batch_layout_by_hand():
+    (micro,) = _micro(19)
+    batch = micro.batch
+    assert micro.shape == (1, 19) and micro.computed == 19
+    assert micro.needed == 2 + 5 + sum(map(len, RESPONSES))
+    np.testing.assert_array_equal(
+        batch.tokens_RxL[0], [10, 11, 7, 8, 9, 10, 11, 12, 5, 6, 5, 6, 7, 8, 9, 1, 2, 3, 4]
+    )
+    np.testing.assert_array_equal(
+        batch.positions_RxL[0], [0, 1, 2, 3, 4, 5, 6, 7, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 5]
+    )
+    np.testing.assert_array_equal(batch.piece_RxL[0], [0] * 10 + [1] * 9)
+    np.testing.assert_array_equal(batch.segment_RxL[0], [0, 0] + [1] * 6 + [2] * 2 + [0] * 5
+                                  + [1] * 3 + [2])  # fmt: skip
+    # The first token of each response is predicted by its prompt's last token.
+    assert batch.predictor_RxL[0, 2] == 1 and batch.predictor_RxL[0, 8] == 1
+    assert batch.predictor_RxL[0, 15] == 14 and batch.predictor_RxL[0, 18] == 14
+    assert batch.predictor_RxL[0, 9] == 8
+    np.testing.assert_array_equal(micro.spans, [[3, 0, 2, 6], [2, 0, 8, 2], [0, 0, 15, 3],
+                                                [1, 0, 18, 1]])  # fmt: skip
+    mask = np.asarray(step_lib.packed_mask(jnp.asarray(batch.piece_RxL),
+                                           jnp.asarray(batch.segment_RxL)))[0]  # fmt: skip
+    assert mask[9, 1] and mask[9, 8] and not mask[9, 7]  # prompt and itself, not its sibling
+    assert not mask[12, 5] and mask[12, 10]  # never across pieces
+    # Per-response values go onto their tokens and come back out.
+    per_token = micro.per_token(np.arange(4, dtype=np.float32) + 1)
+    assert per_token[0, 2:8].tolist() == [4.0] * 6 and per_token[0, :2].sum() == 0
+    assert [x.tolist() for x in micro.per_response(per_token)] == [[4] * 6, [3] * 2, [1] * 3, [2]]
+
+
+def _reference_logprobs(model, temperature=1.0):
+    out = []
+    for b, response in enumerate(RESPONSES):
+        prompt = PROMPTS[b // 2]
+        full = jnp.asarray([list(prompt) + response])
+        features, _ = model(full, jnp.arange(full.shape[1])[None])
+        logits = model.logits(features)[0] / temperature
+        out.append(np.asarray([jax.nn.log_softmax(logits[len(prompt) - 1 + t])[token]
+                               for t, token in enumerate(response)]))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("row_len", [12, 19, 24])
+def test_packed_logprobs_and_features_equal_per_sequence_forwards(tiny, row_len):
+    model, graphdef, params = tiny
+    expected = _reference_logprobs(model, temperature=0.7)
+    for micro in _micro(row_len):
+        batch = jax.tree.map(jnp.asarray, micro.batch)
+        logprobs, features = step_lib.logprob_program(graphdef, params, batch, temperature=0.7)
+        for b, got in zip(micro.response_ids, micro.per_response(logprobs), strict=True):
+            np.testing.assert_allclose(got, expected[b], atol=2e-5)
+        # The drafter buffer's rows: each sequence's features as its own forward gives them.
+        tokens, feats, response, valid = micro.sink_rows(features)
+        for i, b in enumerate(micro.response_ids):
+            row = tokens[i][valid[i]]
+            assert row.tolist() == list(PROMPTS[b // 2]) + RESPONSES[b]
+            assert response[i].sum() == len(RESPONSES[b])
+            full, _ = model(jnp.asarray(row[None]), jnp.arange(len(row))[None])
+            np.testing.assert_allclose(np.asarray(feats)[i][valid[i]], full[0], atol=2e-5)
+
+
+def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0):
+    lengths = np.asarray([len(r) for r in RESPONSES])
+    weights = algorithms.token_weights(algorithm.loss_aggregation, lengths)
+    metric = np.full(len(RESPONSES), 1.0 / lengths.sum())
+    accum = step_lib.zero_accumulator(params)
+    for micro in micros:
+        batch = jax.tree.map(jnp.asarray, micro.batch)
+        old = step_lib.logprob_program(graphdef, params, batch, temperature=1.0)[0]
+        inputs = step_lib.LossInputs(old - 0.05, old + ref_shift, micro.per_token(ADVANTAGES),
+                                     micro.per_token(weights), micro.per_token(metric))  # fmt: skip
+        accum = step_lib.grad_program(graphdef, params, accum, batch, inputs,
+                                      algorithm=algorithm, temperature=1.0)  # fmt: skip
+    return accum
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "kl_coef"),
+    [("token_mean", 0.0), ("seq_mean_token_mean", 0.0), ("seq_mean_token_sum", 0.0),
+     ("token_mean", 0.1)],
+)  # fmt: skip
+def test_packed_loss_and_gradient_equal_padded_and_the_reference_loss(tiny, aggregation,
+                                                                       kl_coef):  # fmt: skip
+    model, graphdef, params = tiny
+    algorithm = AlgorithmConfig(loss_aggregation=aggregation, kl_coef=kl_coef, epsilon=0.01)
+    padded = packing.padded_micro_batches(
+        PROMPTS, RESPONSES, [[[0], [1]]], 2, np.asarray([True, True]), min_bucket=4,
+        max_prompt=16, max_response=16,
+    )[0]  # fmt: skip
+    results = [_accumulate(graphdef, params, micros, algorithm, ref_shift=0.2)
+               for micros in (padded, _micro(12, max_rows=1), _micro(19))]  # fmt: skip
+    # The loss `algorithms.policy_loss` gives the whole batch, from per-sequence forwards.
+    reference = _reference_logprobs(model)
+    t = max(map(len, RESPONSES))
+    lp = np.zeros((4, t), np.float32)
+    mask = np.zeros((4, t), bool)
+    for b, row in enumerate(reference):
+        lp[b, : len(row)], mask[b, : len(row)] = row, True
+    expected, metrics = algorithms.policy_loss(
+        lp, lp - 0.05, ADVANTAGES, mask, epsilon=0.01, epsilon_high=0.01,
+        aggregation=aggregation, ref_logprobs_BxT=lp + 0.2, kl_coef=kl_coef,
+    )  # fmt: skip
+    for accum in results:
+        assert float(accum["loss"]) == pytest.approx(float(expected), abs=1e-5)
+        assert float(accum["weight"]) == pytest.approx(1.0)
+        assert float(accum["clip_fraction"]) == pytest.approx(float(metrics["clip_fraction"]))
+        assert float(accum["kl"]) == pytest.approx(float(metrics["kl"]), abs=1e-6)
+    for other in results[1:]:
+        for a, b in zip(jax.tree.leaves(results[0]["grads"]), jax.tree.leaves(other["grads"]),
+                        strict=True):  # fmt: skip
+            np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+def test_silent_groups_pack_apart_and_untrained():
+    micros = _micro(19, signal=(False, True), silent=True)
+    assert [m.trained for m in micros] == [True, False]
+    assert [sorted(m.response_ids.tolist()) for m in micros] == [[2, 3], [0, 1]]
+    assert [sorted(m.response_ids.tolist()) for m in _micro(19, signal=(False, True))] == [[2, 3]]
+
+
+def test_packed_geometry_keeps_the_padded_token_budget():
+    # 64-token prompts + 256-token responses: 320-token rows; a padded micro-batch of 16
+    # (2 groups of 8) computes 2 x 64 + 16 x 256 = 4224 positions at most -> 13 rows.
+    assert packing.packed_geometry(64, 256, 16, 8, 16) == (320, 13)
+    assert packing.packed_geometry(40, 24, 16, 8, 16) == (64, 7)
+    assert packing.packed_geometry(30, 4, 1, 1, 16) == (48, 1)
