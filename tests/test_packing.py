@@ -51,8 +51,11 @@ def test_pack_rows_by_hand():
 
 @pytest.mark.parametrize(
     ("rows", "max_rows", "expected"),
-    [(0, 4, (0, 0)), (1, 12, (1, 1)), (5, 12, (1, 6)), (12, 12, (1, 12)), (13, 12, (2, 8)),
-     (16, 12, (2, 8)), (25, 12, (3, 12)), (7, 5, (2, 4))],
+    [(0, 4, (0, 0)), (1, 12, (1, 1)), (5, 12, (1, 5)), (12, 12, (1, 12)),
+     # 7 rows: one micro-batch of 8 (cost 8.5) beats 7 of 1 (10.5) and 2 of 4 (9).
+     (7, 13, (1, 8)),
+     # 13 rows, at most 12 each: 3 x 5 (cost 16.5) beats 2 x 8 (17) and 13 x 1 (19.5).
+     (13, 12, (3, 5)), (16, 12, (2, 8)), (25, 12, (5, 5)), (7, 5, (2, 4))],
 )  # fmt: skip
 def test_split_rows(rows, max_rows, expected):
     assert packing.split_rows(rows, max_rows) == expected

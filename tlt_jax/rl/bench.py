@@ -89,8 +89,11 @@ def bench_update_layouts(
     """The same RL steps in each `rl.update_layout`, side by side in one process.
 
     One trainer per layout, same seeds and prompts; every step runs in all of them, the
-    order rotating step by step. The first step's rollouts are identical (same weights, same
-    request seeds); later ones differ only by the layouts' float rounding in the update.
+    order rotating step by step. Rollouts are plain (`spec.mode=off`): the layout changes
+    nothing there, and TLT's bandit picks arms by wall-clock time, so SD would draw other
+    samples on each side. The first step's rollouts are then identical (same weights, same
+    request seeds; checked in `first_step_identical`), later ones differ only through the
+    layouts' float rounding in the update.
 
     Returns:
       Per layout the mean step and phase seconds, `update_padding_share`,
@@ -104,7 +107,8 @@ def bench_update_layouts(
         try:
             for name in layouts:
                 rl = dataclasses.replace(base.rl, update_layout=name)
-                cfg = dataclasses.replace(base, rl=rl)
+                spec = dataclasses.replace(base.spec, mode="off")
+                cfg = dataclasses.replace(base, rl=rl, spec=spec)
                 trainers[name] = Trainer(cfg, f"{root}/{name}", progress=False)
                 trainers[name].precompile()
             for i in range(warmup + steps):
@@ -117,8 +121,11 @@ def bench_update_layouts(
         finally:
             for trainer in trainers.values():
                 trainer.close()
+    first_lengths = [recs[0]["response_lengths"] for recs in records.values()]
     out: dict[str, Any] = {"config": base.to_dict(), "layouts": list(layouts),
-                           "steps_measured": steps, "warmup_steps": warmup}  # fmt: skip
+                           "steps_measured": steps, "warmup_steps": warmup,
+                           "first_step_identical": all(x == first_lengths[0]
+                                                       for x in first_lengths)}  # fmt: skip
     keys = ("time_update", "time_logprob", "step_time")
     for name, recs in records.items():
         measured = recs[warmup:]
