@@ -16,9 +16,11 @@ Memory: both trainers (engine, train state, programs) live in one process; on th
 SmolLM2 config that is ~15 GB resident, so give the run the machine to itself on 24 GB.
 
 Ratios are plain / TLT: `rollout_speedup`, `long_tail_speedup` (decode seconds with at most
-`threshold` requests running), `step_speedup`; plus `accept_len_*` per draft source,
-`sd_step_share`, `long_tail_share` and `ceiling_step_speedup` (the plain step if its tail cost
-nothing: step / (step - tail seconds), from the measured split).
+`threshold` requests running), `step_speedup`, `rollout_per_token_speedup` (rollout seconds
+per generated token, which the sides' different sampled lengths do not move); plus
+`accept_len_*` per draft source, `sd_step_share`, `long_tail_share` and
+`ceiling_step_speedup` (the plain step if its tail cost nothing: step / (step - tail
+seconds), from the measured split).
 """
 
 from __future__ import annotations
@@ -149,6 +151,14 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
         "long_tail_speedup": _ratio_stats(series("plain", "long_tail_s"),
                                           series("tlt", "long_tail_s")),
         "step_speedup": _ratio_stats(series("plain", "step_time"), series("tlt", "step_time")),
+        # Sampled lengths differ between the sides; rollout seconds per generated token do not
+        # depend on how long the answers happened to be.
+        "rollout_per_token_speedup": _ratio_stats(
+            [t / max(n, 1) for t, n in zip(series("plain", "time_rollout"),
+                                           series("plain", "generated_tokens"), strict=True)],
+            [t / max(n, 1) for t, n in zip(series("tlt", "time_rollout"),
+                                           series("tlt", "generated_tokens"), strict=True)],
+        ),  # fmt: skip
         "ceiling_step_speedup": plain_step / max(plain_step - plain_tail, 1e-9),
         "long_tail_share": mean("plain", "long_tail_share"),
         "sd_step_share": mean("tlt", "sd_step_share"),
