@@ -219,6 +219,18 @@ def _lookup(registry: dict, field: str, value: str) -> Callable:
 # ---------------------------------------------------------------------------------------------
 
 
+def _clipped_surrogate(logprobs, old_logprobs, advantages, is_token, epsilon: float,
+                       epsilon_high: float):  # fmt: skip
+    """Per-token (log_ratio, ratio, unclipped, clipped) PPO terms; the loss is
+    `max(unclipped, clipped)`. `advantages` broadcasts against the tokens."""
+    # Zero the log-ratio on padding so exp() there cannot overflow into NaN gradients.
+    log_ratio = jnp.where(is_token, logprobs - jnp.asarray(old_logprobs, jnp.float32), 0.0)
+    ratio = jnp.exp(log_ratio)
+    unclipped = -ratio * advantages
+    clipped = -jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * advantages
+    return log_ratio, ratio, unclipped, clipped
+
+
 def policy_loss(
     logprobs_BxT: jax.Array,
     old_logprobs_BxT: jax.Array,
@@ -266,17 +278,11 @@ def policy_loss(
     if use_kl and ref_logprobs_BxT is None:
         raise ValueError(f"{kl_coef=} needs ref_logprobs_BxT; pass it or set kl_coef=0")
 
-    is_token_BxT = jnp.asarray(mask_BxT) > 0
     logprobs_BxT = jnp.asarray(logprobs_BxT, jnp.float32)
-    # Zero the log-ratio on padding so exp() there cannot overflow into NaN gradients.
-    log_ratio_BxT = jnp.where(
-        is_token_BxT, logprobs_BxT - jnp.asarray(old_logprobs_BxT, jnp.float32), 0.0
-    )
-    ratio_BxT = jnp.exp(log_ratio_BxT)
-    advantages_Bx1 = jnp.asarray(advantages_B, jnp.float32)[:, None]
-
-    unclipped_BxT = -ratio_BxT * advantages_Bx1
-    clipped_BxT = -jnp.clip(ratio_BxT, 1.0 - epsilon, 1.0 + epsilon_high) * advantages_Bx1
+    log_ratio_BxT, ratio_BxT, unclipped_BxT, clipped_BxT = _clipped_surrogate(
+        logprobs_BxT, old_logprobs_BxT, jnp.asarray(advantages_B, jnp.float32)[:, None],
+        jnp.asarray(mask_BxT) > 0, epsilon, epsilon_high,
+    )  # fmt: skip
     pg_loss = aggregate(jnp.maximum(unclipped_BxT, clipped_BxT), mask_BxT)
 
     if use_kl:
@@ -336,11 +342,10 @@ def weighted_policy_loss(
     u = jnp.asarray(metric_weights, jnp.float32)
     counts = (w > 0) | (u > 0)
     logprobs = jnp.asarray(logprobs, jnp.float32)
-    log_ratio = jnp.where(counts, logprobs - jnp.asarray(old_logprobs, jnp.float32), 0.0)
-    ratio = jnp.exp(log_ratio)
-    adv = jnp.asarray(advantages, jnp.float32)
-    unclipped = -ratio * adv
-    clipped = -jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv
+    log_ratio, ratio, unclipped, clipped = _clipped_surrogate(
+        logprobs, old_logprobs, jnp.asarray(advantages, jnp.float32), counts, epsilon,
+        epsilon_high,
+    )  # fmt: skip
 
     def weighted(values, weights):
         return jnp.sum(jnp.where(counts, values, 0.0) * weights)
