@@ -515,16 +515,29 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
     assert steps[-1] == 5 and 3 in steps
 
 
-def test_export_matches_torch_eagle_reference(embed_head, tmp_path):
-    """What an HF / SGLang EAGLE loader computes from the export equals our drafter."""
+@pytest.mark.parametrize("fc_bias", [False, True])
+def test_export_matches_torch_eagle_reference(embed_head, tmp_path, fc_bias):
+    """What an HF / SGLang EAGLE loader computes from the export equals our drafter; an
+    EAGLE-1/2 checkpoint with a trained (non-zero) fc.bias loads into the optional bias."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load_file, save_file
 
     embed, _ = embed_head
     config = CONFIG.replace(model_type="qwen2", attention_bias=True)
     drafter = random_drafter(7, config)
     out = export_eagle(drafter.params_dict(), config, tmp_path / "eagle")
+    if fc_bias:  # the EAGLE-1/2 layout: fc declared with a bias, trained
+        written = load_file(str(out / "model.safetensors"))
+        written["fc.bias"] = np.asarray(jax.random.normal(jax.random.key(5), (D,)), np.float32)
+        save_file(written, str(out / "model.safetensors"), {"format": "pt"})
+        drafter = load_eagle(out)
+        assert "fc_bias" in drafter.params_dict()
+        # And back out: the bias survives an export round trip.
+        again = load_eagle(export_eagle(drafter.params_dict(), config, tmp_path / "again"))
+        np.testing.assert_array_equal(again.params_dict()["fc_bias"], written["fc.bias"])
+    else:
+        assert "fc_bias" not in load_eagle(out).params_dict()  # a zero bias is dropped
     hf_config = transformers.Qwen2Config(**{
         k: v for k, v in json.loads((out / "config.json").read_text()).items()
         if k not in ("architectures", "torch_dtype")

@@ -4,8 +4,11 @@ A checkpoint at step k holds, as three items of one orbax step directory:
 - `state`: the `TrainState` pytree (policy params, optimizer state, step, RNG key data);
 - `data`: the prompt iterator's position (`{"epoch", "index"}`, JSON);
 - `config`: the run's `TrainConfig.to_dict()` (JSON), for the record and for resume checks;
-- `extra`: host-side state of the run's other parts (JSON: the SD bandit's reward windows and
-  random stream); checkpoints written before it existed restore with `extra == {}`.
+- `extra`: host-side state of the run's other parts (JSON: the SD bandits' reward windows and
+  random streams, the online drafter's counters); checkpoints written before it existed
+  restore with `extra == {}`;
+- `drafter` (runs that train the drafter online): its `DrafterTrainState` (params, optimizer
+  state, step).
 
 Saves are asynchronous (device arrays are copied to host before `save` returns; files are
 written in the background) and atomic: orbax writes into a temporary directory and renames it
@@ -33,6 +36,7 @@ class Restored:
     data_position: dict[str, int]
     config: dict[str, Any]
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    drafter: Any = None
 
 
 class RunCheckpointer:
@@ -54,41 +58,47 @@ class RunCheckpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, data_position: dict[str, int],
-             config: dict[str, Any], extra: dict[str, Any] | None = None) -> bool:  # fmt: skip
+             config: dict[str, Any], extra: dict[str, Any] | None = None, *,
+             drafter: Any = None) -> bool:  # fmt: skip
         """Starts saving (returns before the files are written when async). False if present."""
         if step in self._manager.all_steps():
             return False
-        args = ocp.args.Composite(
+        items = dict(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave({k: int(v) for k, v in data_position.items()}),
             config=ocp.args.JsonSave(config),
             extra=ocp.args.JsonSave(extra or {}),
         )
-        return self._manager.save(step, args=args, force=True)
+        if drafter is not None:
+            items["drafter"] = ocp.args.StandardSave(drafter)
+        return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def restore(self, like: Any, step: int | None = None) -> Restored | None:
+    def restore(self, like: Any, step: int | None = None, *, drafter_like: Any = None
+                ) -> Restored | None:  # fmt: skip
         """The checkpoint at `step` (default latest) laid out like `like`; None if there is none.
 
         Args:
           like: a state pytree (arrays or `ShapeDtypeStruct`s with shardings) giving the
             structure, dtypes and shardings to restore into.
           step: which checkpoint; the latest by default.
+          drafter_like: the online drafter's state, if the run has one (restored when the
+            checkpoint holds it; `Restored.drafter` is None otherwise).
         """
         step = self._manager.latest_step() if step is None else step
         if step is None:
             return None
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-            like,
-        )
-        items = {"state": ocp.args.StandardRestore(abstract), "data": ocp.args.JsonRestore(),
-                 "config": ocp.args.JsonRestore()}  # fmt: skip
+        items = {"state": ocp.args.StandardRestore(_abstract(like)),
+                 "data": ocp.args.JsonRestore(), "config": ocp.args.JsonRestore()}  # fmt: skip
         has_extra = (self.directory / str(step) / "extra").exists()
         if has_extra:
             items["extra"] = ocp.args.JsonRestore()
+        has_drafter = drafter_like is not None and (self.directory / str(step) / "drafter").exists()
+        if has_drafter:
+            items["drafter"] = ocp.args.StandardRestore(_abstract(drafter_like))
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         extra = dict(restored.extra) if has_extra else {}
-        return Restored(step, restored.state, dict(restored.data), dict(restored.config), extra)
+        return Restored(step, restored.state, dict(restored.data), dict(restored.config), extra,
+                        restored.drafter if has_drafter else None)  # fmt: skip
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk."""
@@ -97,3 +107,10 @@ class RunCheckpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def _abstract(tree):
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        tree,
+    )

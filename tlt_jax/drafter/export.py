@@ -5,8 +5,10 @@ Layout (EAGLE-1 / TLT checkpoints, no `model.` prefix):
     config.json         the target's HF config with num_hidden_layers=1 and
                         architectures ["LlamaForCausalLMEagle"] or ["Qwen2ForCausalLMEagle"]
     model.safetensors   fc.weight [D, 2D] (torch Linear layout, input = [embed; feature]),
-                        fc.bias [D] zeros (optional, on by default: SGLang declares the
-                        Linear with a bias and would otherwise keep it uninitialised),
+                        fc.bias [D] (zeros unless the drafter has a trained bias; on by
+                        default: SGLang declares the Linear with a bias and would otherwise
+                        keep it uninitialised; EAGLE-1/2 checkpoints carry a non-zero one,
+                        which `load_eagle` keeps as the drafter's optional `fc_bias`),
                         layers.0.self_attn.{q,k,v,o}_proj.weight (+ q/k/v biases for Qwen2),
                         layers.0.mlp.{gate,up,down}_proj.weight,
                         layers.0.post_attention_layernorm.weight
@@ -50,7 +52,9 @@ def eagle_state_dict(
     host = jax.device_get(params)
     fc = np.asarray(host["fc"], np.float32)
     out = {"fc.weight": np.ascontiguousarray(fc.T)}
-    if zero_fc_bias:
+    if "fc_bias" in host:
+        out["fc.bias"] = np.asarray(host["fc_bias"], np.float32)
+    elif zero_fc_bias:
         out["fc.bias"] = np.zeros((fc.shape[1],), np.float32)
     for key, name in _layer_names(config).items():
         value = np.asarray(host["layers"][key], np.float32)[0]
@@ -129,7 +133,7 @@ def load_eagle(path: str | os.PathLike, **config_overrides) -> Drafter:
       A `Drafter` with the loaded weights.
 
     Raises:
-      ValueError: on missing or unexpected tensors, shape mismatches or a non-zero fc.bias.
+      ValueError: on missing or unexpected tensors or shape mismatches.
     """
     path = Path(path)
     config = load_eagle_config(path)
@@ -146,8 +150,6 @@ def load_eagle(path: str | os.PathLike, **config_overrides) -> Drafter:
             f"EAGLE checkpoint {path}: missing tensors {sorted(missing)}, "
             f"unexpected tensors {sorted(unexpected)}"
         )
-    if "fc.bias" in present and np.any(source.read("fc.bias") != 0):
-        raise ValueError(f"EAGLE checkpoint {path} has a non-zero fc.bias; the drafter has none")
     dtype = config.jnp_param_dtype
     params = {
         "fc": source.read("fc.weight").T.astype(dtype),
@@ -156,4 +158,10 @@ def load_eagle(path: str | os.PathLike, **config_overrides) -> Drafter:
             for key, name in names.items()
         },
     }
+    # A zero bias (what `export_eagle` writes for SGLang) is dropped; a trained one is kept.
+    if "fc.bias" in present and np.any(bias := source.read("fc.bias")):
+        if bias.shape != (config.hidden_size,):
+            raise ValueError(f"EAGLE checkpoint {path}: fc.bias has shape {bias.shape}; "
+                             f"expected ({config.hidden_size},)")  # fmt: skip
+        params["fc_bias"] = bias.astype(dtype)
     return drafter_from_params(config, jax.tree.map(jax.numpy.asarray, params))

@@ -227,9 +227,10 @@ def batch_loss(
 
 
 def make_train_step(
-    target_config: ModelConfig, config: DrafterTrainConfig
+    target_config: ModelConfig, config: DrafterTrainConfig, *, donate: bool = True
 ) -> Callable[..., tuple[DrafterTrainState, dict[str, jax.Array]]]:
-    """`train_step(state, batch, embed_VxD, head_DxV) -> (state, metrics)`, jitted, state donated.
+    """`train_step(state, batch, embed_VxD, head_DxV) -> (state, metrics)`, jitted, the state
+    donated unless `donate=False` (online training keeps the last good state to fall back to).
 
     The embedding and head are frozen inputs: gradients are taken w.r.t. `state.params` only.
     Metrics: loss, vloss, ploss, accuracy, tokens, grad_norm, learning_rate.
@@ -248,7 +249,7 @@ def make_train_step(
                        learning_rate=jnp.asarray(schedule(state.step), jnp.float32))  # fmt: skip
         return DrafterTrainState(params, opt_state, state.step + 1), metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    return jax.jit(train_step, donate_argnums=0 if donate else ())
 
 
 # ----------------------------------------------------------------------------- checkpoints

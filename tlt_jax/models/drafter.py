@@ -109,6 +109,8 @@ def drafter_forward(
     e_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0).astype(dtype)
     pair_BxTx2D = jnp.concatenate([e_BxTxD, features_BxTxD.astype(dtype)], axis=-1)
     h_BxTxD = jnp.einsum("BTE,ED->BTD", pair_BxTx2D, params["fc"].astype(dtype))
+    if "fc_bias" in params:  # EAGLE-1/2 checkpoints declare fc with a bias
+        h_BxTxD = h_BxTxD + params["fc_bias"].astype(dtype)
     h_BxTxD = constrain(h_BxTxD, ("batch", "length", "embed"))
     layer = {name: value[0] for name, value in params["layers"].items()}
     sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
@@ -153,10 +155,12 @@ class Drafter(nnx.Module):
         first layer's input norm, so the weight would be dead; it is not created).
     """
 
-    def __init__(self, target_config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, target_config: ModelConfig, *, rngs: nnx.Rngs, fc_bias: bool = False):
         self.config = drafter_config(target_config)
         d, dt = self.config.hidden_size, self.config.jnp_param_dtype
         self.fc = _param(rngs, (2 * d, d), ("concat_embed", "embed"), dt)
+        if fc_bias:  # optional: EAGLE-1/2 checkpoints (SGLang's loader) carry one
+            self.fc_bias = _param(rngs, (d,), ("embed",), dt, init="zeros")
         self.layers = DecoderLayers(self.config, 1, rngs=rngs)
         del self.layers.attn_norm
 
@@ -216,7 +220,9 @@ def init_drafter(target_config: ModelConfig, seed: int = 0) -> Drafter:
 
 
 def drafter_from_params(target_config: ModelConfig, params: DrafterParams) -> Drafter:
-    """A drafter holding `params` (checked against the architecture); no random init runs."""
-    drafter = nnx.eval_shape(lambda: Drafter(target_config, rngs=nnx.Rngs(0)))
+    """A drafter holding `params` (checked against the architecture; an `fc_bias` entry gives
+    it the optional fc bias); no random init runs."""
+    bias = "fc_bias" in params
+    drafter = nnx.eval_shape(lambda: Drafter(target_config, rngs=nnx.Rngs(0), fc_bias=bias))
     drafter.load_params(params)
     return drafter

@@ -13,6 +13,7 @@ compiles, with a message naming the flag (`rl.group_size=1 ...`) and the allowed
 - `spec`: TLT's adaptive speculative rollout (`SpecConfig`).
 - `eval`: held-out evaluation before / after training.
 - `checkpoint`: orbax retention and async saves.
+- `spot`: rollout slices and the spot-trained drafter (`tlt_jax.rl.spot.SpotConfig`).
 
 Top level: `total_steps`, `checkpoint_every`, `seed`, `plot_every`.
 
@@ -38,6 +39,7 @@ from tlt_jax.models.presets import PRESETS
 from tlt_jax.optim import SCHEDULES
 from tlt_jax.rl.algorithms import AlgorithmConfig
 from tlt_jax.rl.rewards import REWARD_FUNCTIONS, RewardFunction
+from tlt_jax.rl.spot import SpotConfig
 from tlt_jax.rollout.adaptive import DRAFT_SOURCES, BanditConfig
 
 TOKENIZERS = ("checkpoint", "byte")
@@ -354,10 +356,6 @@ class SpecConfig:
             f"spec.draft_sources={self.draft_sources!r} must be 'auto' or a comma-separated "
             f"subset of {list(DRAFT_SOURCES)}",
         )
-        if not self.drafter:
-            needs = [src for src in self.sources(has_drafter=False) if src != "ngram"]
-            _require(not needs, f"spec.draft_sources={self.draft_sources!r} needs a drafter "
-                     f"for {needs}; set spec.drafter to an HF-EAGLE export")  # fmt: skip
         from tlt_jax.models.transformer import ATTENTION_IMPLS
 
         _require(self.attention_impl in ATTENTION_IMPLS,
@@ -426,6 +424,7 @@ _GROUPS: dict[str, type] = {
     "spec": SpecConfig,
     "eval": EvalConfig,
     "checkpoint": CheckpointConfig,
+    "spot": SpotConfig,
 }
 _ALGORITHM_FIELDS = tuple(f.name for f in dataclasses.fields(AlgorithmConfig))
 
@@ -442,6 +441,7 @@ class TrainConfig:
     spec: SpecConfig = SpecConfig()
     eval: EvalConfig = EvalConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    spot: SpotConfig = SpotConfig()
     total_steps: int = 100
     checkpoint_every: int = 10
     seed: int = 0
@@ -452,6 +452,12 @@ class TrainConfig:
         _positive_int("config", "checkpoint_every", self.checkpoint_every)
         _positive_int("config", "seed", self.seed, minimum=0)
         _positive_int("config", "plot_every", self.plot_every)
+        spec = self.spec
+        if not spec.drafter and not self.spot.enabled:
+            needs = [src for src in spec.sources(has_drafter=False) if src != "ngram"]
+            _require(not needs, f"spec.draft_sources={spec.draft_sources!r} needs a drafter "
+                     f"for {needs}; set spec.drafter to an HF-EAGLE export or train one "
+                     "online (spot.enabled=True)")  # fmt: skip
 
     @classmethod
     def from_config_dict(cls, config: Any) -> TrainConfig:

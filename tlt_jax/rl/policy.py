@@ -153,21 +153,25 @@ def resolve_threshold(config: TrainConfig, engine: RolloutEngine, workdir: Path 
     return result.threshold
 
 
-def build_step_policy(config: TrainConfig, threshold: int, has_drafter: bool) -> StepPolicy:
+def build_step_policy(config: TrainConfig, threshold: int, has_drafter: bool,
+                      seed_offset: int = 0) -> StepPolicy:  # fmt: skip
     """`PlainPolicy` for `spec.mode == "off"` or a zero threshold, else TLT's
-    `AdaptivePolicy` (BEG-MAB) seeded from the run's seed."""
+    `AdaptivePolicy` (BEG-MAB) seeded from the run's seed (+ `seed_offset`: one bandit per
+    rollout slice, each exploring on its own stream)."""
     if config.spec.mode == "off" or threshold <= 0:
         return PlainPolicy()
-    return AdaptivePolicy(config.spec.bandit(threshold, has_drafter, seed=config.seed))
+    return AdaptivePolicy(config.spec.bandit(threshold, has_drafter,
+                                             seed=config.seed + seed_offset))  # fmt: skip
 
 
-def build_engine(config: TrainConfig, model: Transformer, *, pool: ProgramPool | None = None
-                 ) -> RolloutEngine:  # fmt: skip
+def build_engine(config: TrainConfig, model: Transformer, *, pool: ProgramPool | None = None,
+                 drafter: tuple | None = None) -> RolloutEngine:  # fmt: skip
     """The rollout engine sized for the run's prompts and its longest responses, with the
-    `spec` group's drafter (if any) and a plain step policy (the trainer installs the
-    adaptive one once the threshold is known: `resolve_threshold`, `build_step_policy`)."""
+    `spec` group's drafter (if any; or `drafter = (Drafter, hot ids)`, e.g. the online one)
+    and a plain step policy (the trainer installs the adaptive one once the threshold is
+    known: `resolve_threshold`, `build_step_policy`)."""
     max_new = max(config.rollout.max_new_tokens, config.eval.max_new_tokens)
-    drafter, hot = load_drafter(config.spec, model.config)
+    drafter, hot = drafter if drafter is not None else load_drafter(config.spec, model.config)
     return RolloutEngine(model, EngineConfig(
         max_batch_size=config.rollout.max_batch_size,
         max_seq_len=config.rollout.max_prompt_len + max_new,

@@ -36,13 +36,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tlt_jax.checkpointing.manager import RunCheckpointer
 from tlt_jax.data.pipeline import PromptIterator, load_data
 from tlt_jax.data.tokenizer import stop_token_ids
+from tlt_jax.drafter.online import OnlineDrafter
 from tlt_jax.metrics import timing
 from tlt_jax.metrics.plots import TIMELINE_FILE, save_timeline, write_plots
 from tlt_jax.metrics.progress import progress_bar
 from tlt_jax.metrics.writer import MetricsWriter, read_metrics
 from tlt_jax.parallel import sharding as sharding_lib
+from tlt_jax.parallel.scheduler import RolloutSlice, SpotScheduler
 from tlt_jax.programs import ProgramPool, abstract_like
-from tlt_jax.rl import evaluation, packing, policy
+from tlt_jax.rl import evaluation, packing, policy, spot
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import compute_advantages
 from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
@@ -100,7 +102,7 @@ class Trainer:
         self.config = cfg = config
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.feature_sink = feature_sink
+        self.sinks: list[FeatureSink] = [] if feature_sink is None else [feature_sink]
         self.progress = progress
         # Data first: a missing data folder fails before any model is loaded or compiled.
         self._train_examples = load_data(cfg.data, cfg.data.train_split)
@@ -108,6 +110,13 @@ class Trainer:
             self._train_examples, cfg.rl.prompts_per_step, seed=cfg.data.seed
         )
         self._eval_examples: list[dict] | None = None
+        slice_devices = None
+        if cfg.spot.slices > 1:  # checked before any model loads
+            if cfg.model.uses_mesh:
+                raise ValueError(f"spot.slices={cfg.spot.slices} with model.mesh_shape="
+                                 f"{cfg.model.mesh_shape}: rollout slices are one device each "
+                                 "in this version; keep model.mesh_shape=(1, 1)")  # fmt: skip
+            slice_devices = spot.split_devices(jax.local_devices(), cfg.spot.slices)
 
         self.mesh = policy.build_mesh(cfg.model)
         model = model if model is not None else policy.build_policy(cfg.model, self.mesh)
@@ -118,8 +127,24 @@ class Trainer:
         if self.mesh is not None:
             rules = sharding_lib.rules_for("train")
             context = lambda: sharding_lib.use_sharding(self.mesh, rules)  # noqa: E731
-        self.pool = ProgramPool(context)  # the trainer's and the engine's programs
-        self.engine = policy.build_engine(cfg, model, pool=self.pool)
+        self.pool = ProgramPool(context)  # the trainer's and slice 0's engine's programs
+        drafter = policy.load_drafter(cfg.spec, model.config)
+        self.online: OnlineDrafter | None = None
+        if cfg.spot.enabled:
+            self.online, drafter = _online_drafter(cfg, model.config, *drafter)
+            self.sinks.append(self.online)
+        build = lambda m, pool: policy.build_engine(cfg, m, pool=pool, drafter=drafter)  # noqa: E731
+        if slice_devices is None:
+            self.engine = build(model, self.pool)
+            devices = tuple(jax.tree.leaves(self.engine.params)[0].devices())
+            self.slices = [RolloutSlice(0, devices, self.engine)]
+        else:
+            self.slices = spot.build_slices(build, model, slice_devices, self.pool)
+            self.engine = self.slices[0].engine
+        trainable = None
+        if self.online is not None:
+            trainable = spot.SpotTrainer(self.online, cfg.spot.max_steps_per_rl_step)
+        self.scheduler = SpotScheduler(self.slices, trainable)
         self.graphdef = self.engine.graphdef
         self.reward_fn = resolve_reward_fn(cfg.rl.reward_fn)
         self.sampling = SamplingParams(
@@ -144,22 +169,29 @@ class Trainer:
             async_save=cfg.checkpoint.async_save,
         )  # fmt: skip
         self.restored_from: int | None = None
-        restored = self.checkpointer.restore(self.state)
+        drafter_like = None if self.online is None else self.online.state
+        restored = self.checkpointer.restore(self.state, drafter_like=drafter_like)
         if restored is not None:
             self.state = restored.state
+            if self.online is not None and restored.drafter is not None:
+                self.online.load_state_dict(restored.extra["drafter"], restored.drafter)
             self.iterator.restore(restored.data_position)
             self.restored_from = restored.step
             changed = {k for k, v in cfg.to_dict().items() if restored.config.get(k) != v}
             if changed:
                 log.warning("resuming step %d with changed config groups %s", restored.step,
                             sorted(changed))  # fmt: skip
-            self.engine.update_params(self._to_rollout(self.state.params))
+            self.sync_weights()
         self.threshold = policy.resolve_threshold(cfg, self.engine, self.workdir)
-        self.engine.step_policy = policy.build_step_policy(
-            cfg, self.threshold, self.engine.drafter_params is not None
-        )
-        if restored is not None and restored.extra.get("bandit"):
-            self.engine.step_policy.load_state_dict(restored.extra["bandit"])
+        bandits = restored.extra.get("bandits") if restored is not None else None
+        if restored is not None and not bandits and restored.extra.get("bandit"):
+            bandits = [restored.extra["bandit"]]
+        for s in self.slices:
+            s.engine.step_policy = policy.build_step_policy(
+                cfg, self.threshold, s.engine.drafter_params is not None, seed_offset=s.index
+            )
+            if bandits and s.index < len(bandits):
+                s.engine.step_policy.load_state_dict(bandits[s.index])
         self.step_count = int(jax.device_get(self.state.step))
         self._rng_words = np.asarray(jax.device_get(self.state.rng))
         self.writer = MetricsWriter(self.workdir)
@@ -256,20 +288,24 @@ class Trainer:
         cfg, g = self.config, self.config.rl.group_size
         timer = timing.PhaseTimer()
         step = self.step_count + 1
-        compiles_before = self.pool.compile_count + self.engine.stats.compile_count
-        compile_s_before = self.pool.compile_seconds + self.engine.stats.compile_seconds
+        compiles_before, compile_s_before = self._compiles()
         prompts = [self.encode(ex["question"]) for ex in examples]
         seeds = rollout_seeds(self._rng_words, step, len(prompts) * g)
         requests = [Request(prompt, cfg.rollout.max_new_tokens, self.sampling, self.stop_ids,
                             seed=int(seeds[i * g + j]))
                     for i, prompt in enumerate(prompts) for j in range(g)]  # fmt: skip
 
-        stats = self.engine.stats
-        spec_before = (stats.spec_steps, stats.decode_steps, dict(stats.spec_rows_by_source),
-                       dict(stats.spec_tokens_by_source))  # fmt: skip
+        spec_before = [_spec_counters(s.engine.stats) for s in self.slices]
+        indices = spot.split_groups(requests, g, len(self.slices))
         with timer.phase("rollout"):
-            completions = self.engine.generate(requests, progress=self.progress)
-        self._last_timeline = list(stats.timeline)  # a copy: evaluate()'s generate clears it
+            per_slice, spot_report = self.scheduler.rollout(
+                [[requests[i] for i in idx] for idx in indices], progress=self.progress
+            )
+        completions = spot.merge_completions(per_slice, indices, len(requests))
+        # Copies: evaluate()'s generate clears the engines' timelines.
+        timelines = [list(s.engine.stats.timeline) for s in self.slices]
+        self._last_timeline = timelines[0]
+        self._last_spot = spot_report
         with timer.phase("reward"):
             texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                      for c in completions]  # fmt: skip
@@ -281,7 +317,7 @@ class Trainer:
             advantages = np.asarray(compute_advantages(cfg.rl.algorithm, rewards_PxG), np.float32)
             has_signal = np.any(advantages != 0, axis=1)
         responses = [c.token_ids for c in completions]
-        needs_all = self.feature_sink is not None or cfg.rl.algorithm.kl_coef > 0
+        needs_all = bool(self.sinks) or cfg.rl.algorithm.kl_coef > 0
         minibatches, micro_plan = packing.micro_batches(
             cfg.rl, cfg.rollout, prompts, responses, has_signal, include_silent=needs_all
         )  # fmt: skip
@@ -302,15 +338,19 @@ class Trainer:
                 old_logprobs[key], features = logprob(self.state.params, batch)
                 if self.reference_params is not None:
                     ref_logprobs[key] = logprob(self.reference_params, batch)[0]
-                if self.feature_sink is not None:
+                if self.sinks:
                     tokens, feats, response_mask, valid = micro.sink_rows(features)
-                    self.feature_sink.add(tokens, feats, response_mask, step, valid_mask=valid)
+                    for sink in self.sinks:
+                        sink.add(tokens, feats, response_mask, step, valid_mask=valid)
             jax.block_until_ready(old_logprobs)
         with timer.phase("update"):
             update = self._update(minibatches, micro_plan, batches, old_logprobs, ref_logprobs,
                                   advantages, responses)  # fmt: skip
         with timer.phase("sync"):
             self.sync_weights()
+            drafter_metrics = {}
+            if self.online is not None:  # the version trained during this rollout
+                drafter_metrics = spot.publish_drafter(self.online, self.slices)
         self.state = self.state.replace(step=self.state.step + 1)
         self.step_count = step
         for key, logprobs in old_logprobs.items():
@@ -336,36 +376,49 @@ class Trainer:
             "truncated_share": float(np.mean([c.finish_reason == "length" for c in completions])),
             "generated_tokens": generated,
             "tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0,
-            **timing.tail_stats(stats.timeline, self.threshold),
+            **_tail_stats(timelines, self.threshold),
             **self._spec_metrics(spec_before),
+            **(spot_report.metrics() if len(self.slices) > 1 else {}),
+            **drafter_metrics,
             "logprob_diff": float(np.mean(logprob_diffs)) if logprob_diffs else 0.0,
             "reward_errors": scored.num_errors,
             "reward_timeouts": scored.num_timeouts,
             **timer.metrics(),
-            "compile_count": self.pool.compile_count + self.engine.stats.compile_count
-            - compiles_before,
-            "compile_s": self.pool.compile_seconds + self.engine.stats.compile_seconds
-            - compile_s_before,
+            "compile_count": self._compiles()[0] - compiles_before,
+            "compile_s": self._compiles()[1] - compile_s_before,
             "response_lengths": lengths,
         }  # fmt: skip
         return record
 
-    def _spec_metrics(self, before) -> dict[str, Any]:
-        """What TLT did in this step's rollout (differences of the engine's counters)."""
-        stats = self.engine.stats
-        spec = stats.spec_steps - before[0]
-        plain = stats.decode_steps - before[1]
+    def _compiles(self) -> tuple[int, float]:
+        """Programs compiled so far and their seconds: the trainer's and every engine's."""
+        engines = [s.engine.stats for s in self.slices]
+        return (self.pool.compile_count + sum(e.compile_count for e in engines),
+                self.pool.compile_seconds + sum(e.compile_seconds for e in engines))  # fmt: skip
+
+    def _spec_metrics(self, before: list[dict]) -> dict[str, Any]:
+        """What TLT did in this step's rollout (differences of the slices' engine counters)."""
+        now = [_spec_counters(s.engine.stats) for s in self.slices]
+        spec = sum(a["spec"] - b["spec"] for a, b in zip(now, before, strict=True))
+        plain = sum(a["plain"] - b["plain"] for a, b in zip(now, before, strict=True))
         out: dict[str, Any] = {
             "sd_step_share": spec / (spec + plain) if spec + plain else 0.0,
             "sd_steps": spec,
             "sd_threshold": self.threshold,
         }
-        for source in sorted(stats.spec_rows_by_source):
-            rows = stats.spec_rows_by_source[source] - before[2].get(source, 0)
-            tokens = stats.spec_tokens_by_source[source] - before[3].get(source, 0)
+        sources = sorted({src for c in now for src in c["rows"]})
+        for source in sources:
+            rows = sum(a["rows"].get(source, 0) - b["rows"].get(source, 0)
+                       for a, b in zip(now, before, strict=True))  # fmt: skip
+            tokens = sum(a["tokens"].get(source, 0) - b["tokens"].get(source, 0)
+                         for a, b in zip(now, before, strict=True))  # fmt: skip
             if rows:
                 out[f"accept_len_{source}"] = tokens / rows
-        out["sd_choices"] = self.engine.step_policy.choice_counts()
+        choices: dict[str, int] = {}
+        for s in self.slices:
+            for arm, n in s.engine.step_policy.choice_counts().items():
+                choices[arm] = choices.get(arm, 0) + n
+        out["sd_choices"] = choices
         return out
 
     def _update(self, minibatches, micro_plan, batches, old_logprobs, ref_logprobs, advantages,
@@ -419,10 +472,16 @@ class Trainer:
         return totals
 
     def sync_weights(self) -> None:
-        """Pushes the train params into the engine (checked: structure, shape, dtype, sharding)."""
-        params = self._to_rollout(self.state.params)
-        jax.block_until_ready(params)
-        self.engine.update_params(params)
+        """Pushes the train params into every slice's engine (checked: structure, shape, dtype,
+        sharding); the drafter too, when it trains online."""
+        if len(self.slices) == 1:
+            params = self._to_rollout(self.state.params)
+            jax.block_until_ready(params)
+            self.engine.update_params(params)
+        else:
+            spot.sync_policy(self.state.params, self.slices)
+        if self.online is not None:
+            spot.push_drafter(self.online, self.slices)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -462,12 +521,33 @@ class Trainer:
             if step % cfg.plot_every == 0 or step == cfg.total_steps:
                 self.plot()
         self.checkpointer.wait()
+        if records and cfg.spot.export and self.online is not None:
+            log.info("drafter exported to %s", self.export_drafter())
         return records
 
     def save(self) -> None:
-        extra = {"bandit": self.engine.step_policy.state_dict()}
+        bandits = [s.engine.step_policy.state_dict() for s in self.slices]
+        extra = {"bandit": bandits[0], "bandits": bandits}
+        drafter = None
+        if self.online is not None:
+            extra["drafter"] = self.online.state_dict()
+            drafter = self.online.state
         self.checkpointer.save(self.step_count, self.state, self.iterator.state(),
-                               self.config.to_dict(), extra)  # fmt: skip
+                               self.config.to_dict(), extra, drafter=drafter)  # fmt: skip
+
+    def export_drafter(self) -> Path | None:
+        """Writes the online drafter as an HF-EAGLE directory (`workdir/drafter`, with its
+        `hot_vocab.json`) that `generate.py --drafter` and `spec.drafter` load."""
+        if self.online is None:
+            return None
+        from tlt_jax.drafter.export import export_eagle
+        from tlt_jax.drafter.hot_vocab import save_hot_vocab
+
+        out = export_eagle(self.online.params(), self.engine.model_config,
+                           self.workdir / "drafter")  # fmt: skip
+        if self.online.token_counts.any():
+            save_hot_vocab(out, self.online.token_counts)
+        return out
 
     def plot(self) -> list[Path]:
         """Per-step plots, and the last rollout's timeline (running requests, SD shaded)."""
@@ -495,6 +575,40 @@ class Trainer:
     def close(self) -> None:
         self.checkpointer.close()
         self.writer.close()
+
+
+def _spec_counters(stats) -> dict[str, Any]:
+    return {"spec": stats.spec_steps, "plain": stats.decode_steps,
+            "rows": dict(stats.spec_rows_by_source),
+            "tokens": dict(stats.spec_tokens_by_source)}  # fmt: skip
+
+
+def _tail_stats(timelines: list[list], threshold: int) -> dict[str, float]:
+    """`timing.tail_stats` over slice-seconds: each slice's tail counted against its own
+    running requests (what its SD decisions see)."""
+    if len(timelines) == 1:
+        return timing.tail_stats(timelines[0], threshold)
+    parts = [timing.tail_stats(t, threshold) for t in timelines]
+    total = sum(p["rollout_decode_s"] for p in parts)
+    tail = sum(p["long_tail_s"] for p in parts)
+    return {"long_tail_share": tail / total if total > 0 else 0.0, "long_tail_s": tail,
+            "rollout_decode_s": max(p["rollout_decode_s"] for p in parts),
+            "sd_tail_s": sum(p["sd_tail_s"] for p in parts)}  # fmt: skip
+
+
+def _online_drafter(cfg: TrainConfig, target, drafter, hot):
+    """The online drafter (warm from `spec.drafter` when set, else a random init) and the
+    engines' `(Drafter, hot ids)`."""
+    from tlt_jax.models.drafter import drafter_from_params
+
+    hot_vocab = cfg.spec.hot_vocab if cfg.spec.hot_vocab < target.vocab_size else 0
+    online = OnlineDrafter(
+        target, cfg.spot.train_config(), hot_vocab=hot_vocab, seed=cfg.seed,
+        params=None if drafter is None else drafter.params_dict(),
+    )  # fmt: skip
+    if hot is not None and hot_vocab and len(hot) == hot_vocab:
+        online.hot_ids = np.asarray(hot, np.int32)
+    return online, (drafter_from_params(target, online.params()), online.hot_ids)
 
 
 def _summary(record: dict[str, Any]) -> str:

@@ -1,0 +1,212 @@
+"""Rollout slices, the spot scheduler and the online drafter (TLT's adaptive drafter)."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from rl_testing import tiny_config
+
+from tlt_jax.drafter.export import load_eagle
+from tlt_jax.drafter.online import OnlineDrafter
+from tlt_jax.models.presets import get_preset
+from tlt_jax.models.transformer import init_model
+from tlt_jax.parallel.scheduler import RolloutSlice, SliceState, SpotScheduler
+from tlt_jax.rl import spot
+from tlt_jax.rl.config import TrainConfig, default_config_dict
+from tlt_jax.rl.trainer import Trainer
+from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+from tlt_jax.rollout.sampling import SamplingParams
+
+TINY = get_preset("tiny")
+
+
+def test_split_groups_and_devices():
+    requests = [Request((1, 2), 2, SamplingParams(0.0), ()) for _ in range(16)]
+    parts = spot.split_groups(requests, 4, 3)
+    assert [len(p) // 4 for p in parts] == [1, 2, 1]  # whole groups, counts within 1
+    assert sorted(i for p in parts for i in p) == list(range(16))
+    assert all(p == list(range(p[0], p[0] + len(p))) for p in parts)  # contiguous groups
+    devices = jax.devices()
+    assert spot.split_devices(devices, 2) == [tuple(devices[:4]), tuple(devices[4:])]
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=3"):
+        spot.split_devices(devices, 3)
+
+
+def test_spot_config_errors():
+    with pytest.raises(ValueError, match=r"spot.enabled=True needs spot.slices >= 2"):
+        spot.SpotConfig(enabled=True, slices=1)
+    with pytest.raises(ValueError, match=r"spot.window=600 must be <= spot.row_len=512"):
+        spot.SpotConfig(window=600)
+    c = default_config_dict()
+    c.model.preset = "tiny"
+    c.spec.draft_sources = "eagle"
+    with pytest.raises(ValueError, match="train one online"):
+        TrainConfig.from_config_dict(c)
+    c.spot.update(enabled=True, slices=2)
+    assert TrainConfig.from_config_dict(c).spot.enabled  # the online drafter drafts
+
+
+def _engine(device) -> RolloutEngine:
+    with jax.default_device(device):
+        model = init_model(TINY)
+        model = nnx.merge(*nnx.split(model))
+        engine = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64))
+        return spot.place_engine(engine, device)
+
+
+class _Recorder:
+    """A trainable that sleeps per step and records where and when its steps started."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+        self.steps: list[tuple[int, bool]] = []
+
+    def ready(self) -> bool:
+        return True
+
+    def train_on(self, slice_, stop: threading.Event, on_step) -> int:
+        if self.fail:
+            raise RuntimeError("a crashed drafter trainer")
+        while not stop.is_set():
+            self.steps.append((slice_.index, stop.is_set()))
+            time.sleep(0.005)
+            on_step(0.005)
+        return len(self.steps)
+
+
+@pytest.fixture(scope="module")
+def two_slices():
+    devices = jax.devices()[:2]
+    return [RolloutSlice(i, (d,), _engine(d)) for i, d in enumerate(devices)]
+
+
+def _requests(n: int, max_new: int) -> list[Request]:
+    return [Request((3, 4, 5 + i), max_new, SamplingParams(0.0), ()) for i in range(n)]
+
+
+def test_the_first_idle_slice_trains_until_the_last_one_finishes(two_slices):
+    short, long = _requests(1, 2), _requests(4, 40)
+    want = [s.engine.generate(r, progress=False)
+            for s, r in zip(two_slices, (short, long), strict=True)]  # fmt: skip
+    trainable = _Recorder()
+    out, report = SpotScheduler(two_slices, trainable).rollout([short, long])
+    for got, ref in zip(out, want, strict=True):  # what each slice decodes alone
+        assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    assert report.trainer_slice == 0 and report.drafter_steps == len(trainable.steps) > 0
+    # Drafter work ran on the idle slice only, and no step started after the stop signal.
+    assert {s for s, _ in trainable.steps} == {0}
+    assert not any(stopped for _, stopped in trainable.steps)
+    assert report.finish_s[0] < report.finish_s[1] <= report.rollout_s
+    assert report.preemption_latency_s is not None and report.preemption_latency_s >= 0
+    states = {(e.slice, e.state) for e in report.events}
+    assert states >= {(0, "busy"), (0, "training"), (1, "busy")} and (1, "training") not in states
+    m = report.metrics()
+    assert 0 < m["spot_reclaimed_share"] <= 1 and m["spot_idle_slice_s"] > 0
+    assert all(s.state == SliceState.IDLE for s in two_slices)
+
+
+def test_a_failing_trainer_never_stops_the_rollout(two_slices):
+    out, report = SpotScheduler(two_slices, _Recorder(fail=True)).rollout(
+        [_requests(1, 2), _requests(4, 30)]
+    )
+    assert report.trainer_failures == 1 and report.drafter_steps == 0
+    assert [len(c.token_ids) for c in out[1]] == [30] * 4
+
+
+def test_slices_must_not_share_devices(two_slices):
+    with pytest.raises(ValueError, match="share devices"):
+        SpotScheduler([two_slices[0], RolloutSlice(1, two_slices[0].devices, None)])
+
+
+def _samples(rng, n: int, d: int, nan: bool = False):
+    tokens = rng.integers(0, TINY.vocab_size, (n, 24)).astype(np.int32)
+    features = rng.normal(size=(n, 24, d)).astype(np.float32)
+    if nan:
+        features[:, 5] = np.nan
+    mask = np.zeros((n, 24), bool)
+    mask[:, 8:] = True
+    return tokens, features, mask
+
+
+def test_online_drafter_drops_non_finite_steps_and_versions_on_publish():
+    config = spot.SpotConfig(row_len=64, window=64, warmup_steps=0).train_config()
+    online = OnlineDrafter(TINY, config, hot_vocab=16, seed=0)
+    model = init_model(TINY)
+    embed, head = model.embed.get_value(), model.head_weight_DxV()
+    rng = np.random.default_rng(0)
+    before = jax.tree.map(np.asarray, online.params())
+    online.add(*_samples(rng, 4, TINY.hidden_size, nan=True), step=1)
+    stop = threading.Event()
+    assert online.train_on(jax.devices()[1], embed, head, stop, max_steps=3) == 0
+    assert online.failures == 1
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(online.params()), strict=True):
+        np.testing.assert_array_equal(a, b)  # the last good state is kept
+    assert online.publish()["drafter_version"] == 0  # nothing new to publish
+    online.add(*_samples(rng, 4, TINY.hidden_size), step=3)  # step 1 leaves the window
+    assert online.train_on(jax.devices()[1], embed, head, stop, max_steps=3) == 3
+    assert jax.tree.leaves(online.params())[0].devices() == {jax.devices()[1]}
+    metrics = online.publish()
+    assert metrics["drafter_version"] == 1 and metrics["drafter_steps"] == 3
+    assert np.isfinite(metrics["drafter_loss"]) and 0 <= metrics["drafter_accuracy"] <= 1
+    # The hot vocabulary follows the counted response tokens.
+    assert online.hot_ids.shape == (16,)
+    assert online.token_counts[online.hot_ids[0]] == online.token_counts.max()
+
+
+SPOT = {"spec.mode": "adaptive", "spec.threshold": 8, "spec.warmup_steps": 1,
+        "spec.bucket_bounds": (1, 2, 3), "spec.strategies": ("3,1,4", "2,1,3", "1,1,2"),
+        "rollout.max_new_tokens": 16, "rollout.top_k": 1, "spot.slices": 2,
+        "spot.row_len": 64, "spot.window": 64}  # fmt: skip
+
+
+def _straggle(trainer: Trainer, seconds: float) -> None:
+    """Slice 1 becomes a straggler: its rollout ends `seconds` after its requests do."""
+    engine = trainer.slices[1].engine
+    generate = engine.generate
+
+    def slow(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        time.sleep(seconds)
+        return out
+
+    engine.generate = slow
+
+
+def test_spot_training_in_the_rl_loop_is_lossless_checkpointed_and_exported(tmp_path):
+    plain = Trainer(tiny_config(total_steps=2, **SPOT), tmp_path / "off", progress=False)
+    assert plain.online is None
+    off = plain.train()
+    plain.close()
+    config = tiny_config(total_steps=2, checkpoint_every=2, **SPOT, **{"spot.enabled": True})
+    trainer = Trainer(config, tmp_path / "on", progress=False)
+    _straggle(trainer, 0.4)
+    on = trainer.train()
+    # top_k = 1 samples the argmax: whatever the drafter, SD must write the same tokens.
+    for a, b in zip(off, on, strict=True):
+        assert a["response_lengths"] == b["response_lengths"]
+        assert a["reward_mean"] == b["reward_mean"]
+    # Step 1 fills the buffer; the idle slice trains during step 2's rollout.
+    assert on[1]["spot_drafter_steps"] > 0 and on[1]["drafter_version"] == 1
+    assert on[1]["spot_reclaimed_share"] > 0 and on[1]["spot_preemption_latency_s"] >= 0
+    assert on[1]["drafter_steps"] == on[1]["spot_drafter_steps"]
+    assert np.isfinite(on[1]["drafter_loss"])
+    params = jax.tree.map(np.asarray, trainer.online.params())
+    for s in trainer.slices:  # every slice drafts with the published version
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(s.engine.drafter_params),
+                        strict=True):  # fmt: skip
+            np.testing.assert_array_equal(a, np.asarray(b))
+    trainer.close()
+    exported = load_eagle(tmp_path / "on" / "drafter").params_dict()
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exported), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert (tmp_path / "on" / "drafter" / "hot_vocab.json").is_file()
+    resumed = Trainer(config, tmp_path / "on", progress=False)
+    assert resumed.restored_from == 2 and resumed.online.version == 1
+    assert resumed.online.steps == on[1]["drafter_steps"]
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(resumed.online.params()),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, np.asarray(b))
+    resumed.close()

@@ -1,0 +1,228 @@
+"""The online drafter: one canonical EAGLE drafter trained during RL on the policy's features.
+
+The RL trainer's log-prob recompute hands `OnlineDrafter.add` (a `FeatureSink`) the final-norm
+features it computed anyway; they go into a `DrafterBuffer` (windows of the last
+`buffer_steps` RL steps, packed with segment ids). The spot scheduler calls `train_on` on the
+devices of a rollout slice whose requests are done, which runs drafter gradient steps there
+until its `stop` event is set (cooperative preemption: the check sits between two steps, so a
+stop waits for at most the step in flight). At the RL step boundary `publish` hands out the new
+version for every slice's engine (through the engine's checked `update_drafter_params`).
+
+There is one train state, never one per slice: a training run moves it onto the training
+slice's devices, and the engines only ever receive published copies, so replicas cannot drift.
+A step whose loss or gradient norm is not finite is dropped (the state before it is kept: the
+step does not donate its input), counted in `failures` and logged; the run goes on with the
+previous version.
+
+The hot vocabulary (the draft head's columns) follows the tokens the policy generates: counts
+of every response token the sink sees; `publish` ranks them. Training uses the same columns,
+so the drafter learns the head it drafts with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tlt_jax.drafter.data import DrafterBuffer
+from tlt_jax.drafter.hot_vocab import hot_token_ids
+from tlt_jax.drafter.trainer import (
+    DrafterTrainConfig,
+    DrafterTrainState,
+    init_train_state,
+    make_buffer,
+    make_train_step,
+)
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import DrafterParams, init_drafter
+
+log = logging.getLogger(__name__)
+
+# Metrics of one drafter step that are averaged into the step-boundary record.
+STEP_METRICS = ("loss", "vloss", "ploss", "accuracy", "grad_norm")
+
+
+class OnlineDrafter:
+    """The drafter's train state, buffer and version; trained by the spot scheduler."""
+
+    def __init__(
+        self,
+        target_config: ModelConfig,
+        config: DrafterTrainConfig,
+        *,
+        params: DrafterParams | None = None,
+        hot_vocab: int = 0,
+        seed: int = 0,
+        max_samples: int = 2000,
+    ):
+        """
+        Args:
+          target_config: the policy's model config.
+          config: optimiser, loss, window and batch settings.
+          params: a warm start (`Drafter.params_dict()`, e.g. an EAGLE export); None starts
+            from a random initialisation (cold start).
+          hot_vocab: draft and train over the policy's `hot_vocab` most generated tokens (0:
+            the full head).
+          seed: the random init and the batch sampling stream.
+          max_samples: the buffer's capacity (oldest samples dropped).
+        """
+        if hot_vocab < 0 or hot_vocab > target_config.vocab_size:
+            raise ValueError(f"hot_vocab={hot_vocab} must be in [0, vocab_size="
+                             f"{target_config.vocab_size}]")  # fmt: skip
+        self.target_config = target_config
+        self.config = config
+        if params is None:
+            params = init_drafter(target_config, seed).params_dict()
+        self.state: DrafterTrainState = init_train_state(params, config)
+        self.buffer: DrafterBuffer = make_buffer(config, max_samples=max_samples)
+        self._train_step = make_train_step(target_config, config, donate=False)
+        self._rng = np.random.default_rng([seed, 0x5107])
+        self.hot_vocab = hot_vocab
+        self.token_counts = np.zeros((target_config.vocab_size,), np.int64)
+        # Until tokens are counted, the first ids: a fixed size from the start, so the engine's
+        # draft programs never recompile when the real ranking arrives.
+        self.hot_ids = np.arange(hot_vocab, dtype=np.int32) if hot_vocab else None
+        self.version = 0  # published versions
+        self.failures = 0  # dropped non-finite steps and failed training runs
+        self._published_step = 0
+        self._lock = threading.Lock()
+        self._window: list[dict[str, float]] = []  # metrics of the steps since publish
+
+    # -- data ------------------------------------------------------------------------------
+
+    def add(self, tokens, features, response_mask, step: int, valid_mask=None) -> int:
+        """The `FeatureSink` entry point: counts response tokens, stores the samples."""
+        tokens = np.asarray(tokens)
+        counted = np.asarray(response_mask, bool)
+        if valid_mask is not None:
+            counted &= np.asarray(valid_mask, bool)
+        np.add.at(self.token_counts, tokens[counted], 1)
+        return self.buffer.add(tokens, features, response_mask, step, valid_mask=valid_mask)
+
+    def ready(self) -> bool:
+        """Whether the buffer holds samples of the recent steps."""
+        return bool(self.buffer.recent_samples())
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken so far (every version included)."""
+        return int(jax.device_get(self.state.step))
+
+    # -- training --------------------------------------------------------------------------
+
+    def train_on(
+        self,
+        devices,
+        embed_VxD: jax.Array,
+        head_DxV: jax.Array,
+        stop: threading.Event,
+        *,
+        max_steps: int = 0,
+        on_step: Callable[[float], None] | None = None,
+    ) -> int:
+        """Runs drafter steps on `devices` until `stop` is set (checked before every step).
+
+        Args:
+          devices: the idle slice's devices; the state, the batches and the frozen embedding
+            and head are placed there, so no work lands on another slice's devices.
+          embed_VxD / head_DxV: the policy's embedding and LM head (any device; copied).
+          stop: the preemption signal.
+          max_steps: at most this many steps (0: until stopped or out of data).
+          on_step: called with each step's seconds after it finished.
+
+        Returns:
+          The number of steps applied (dropped non-finite steps excluded).
+        """
+        device = devices[0] if isinstance(devices, (list, tuple)) else devices
+        with self._lock:
+            state = jax.device_put(self.state, device)
+            embed = jax.device_put(embed_VxD, device)
+            head = head_DxV
+            if self.hot_ids is not None:
+                head = jnp.take(jax.device_put(head_DxV, device),
+                                jax.device_put(self.hot_ids, device), axis=1)  # fmt: skip
+            head = jax.device_put(head, device)
+            done = 0
+            while not stop.is_set() and (max_steps == 0 or done < max_steps):
+                batch = self.buffer.sample_batch(self._rng, self.config.batch_rows,
+                                                 self.config.row_len)  # fmt: skip
+                if batch is None:
+                    break
+                start = time.perf_counter()
+                new_state, metrics = self._train_step(
+                    state, jax.device_put(batch, device), embed, head
+                )
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if on_step is not None:
+                    on_step(time.perf_counter() - start)
+                if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
+                    self.failures += 1
+                    log.warning("drafter step %d: non-finite loss %s / grad norm %s; dropped, "
+                                "keeping version %d", int(state.step), values["loss"],
+                                values["grad_norm"], self.version)  # fmt: skip
+                    break
+                state = new_state
+                self._window.append(values)
+                done += 1
+            self.state = state
+        return done
+
+    # -- the step boundary -----------------------------------------------------------------
+
+    def publish(self) -> dict[str, Any]:
+        """Ends the window: a new version when steps were taken since the last publish.
+
+        Returns:
+          Metrics of the window: `drafter_version`, `drafter_steps` (this window),
+          `drafter_failures` (so far) and the mean `drafter_loss`, `drafter_accuracy` (top-1
+          agreement with the policy, over the hot vocabulary when there is one), ...
+        """
+        with self._lock:
+            steps = self.steps
+            if steps > self._published_step:
+                self.version += 1
+                self._published_step = steps
+            if self.hot_vocab and self.token_counts.any():
+                self.hot_ids = hot_token_ids(self.token_counts, self.hot_vocab)
+            window, self._window = self._window, []
+        out: dict[str, Any] = {
+            "drafter_version": self.version,
+            "drafter_steps": len(window),
+            "drafter_failures": self.failures,
+        }
+        for name in STEP_METRICS:
+            if window:
+                out[f"drafter_{name}"] = float(np.mean([w[name] for w in window]))
+        return out
+
+    def params(self) -> DrafterParams:
+        """The current (published) params, on their training device."""
+        return self.state.params
+
+    def state_dict(self) -> dict[str, Any]:
+        """Host-side counters for the run checkpoint (the train state is saved by orbax)."""
+        return {
+            "version": self.version,
+            "failures": self.failures,
+            "published_step": self._published_step,
+            "rng": self._rng.bit_generator.state,
+            "token_counts": self.token_counts.tolist() if self.token_counts.any() else [],
+        }
+
+    def load_state_dict(self, state: dict[str, Any], train_state: DrafterTrainState) -> None:
+        self.state = train_state
+        self.version = int(state["version"])
+        self.failures = int(state["failures"])
+        self._published_step = int(state["published_step"])
+        self._rng.bit_generator.state = state["rng"]
+        if state["token_counts"]:
+            self.token_counts = np.asarray(state["token_counts"], np.int64)
+            if self.hot_vocab:
+                self.hot_ids = hot_token_ids(self.token_counts, self.hot_vocab)

@@ -1,0 +1,229 @@
+"""Rollout slices and the spot scheduler: idle slices train the drafter while stragglers decode.
+
+A rollout slice is a disjoint set of devices with its own engine replica (`RolloutSlice`).
+`SpotScheduler.rollout` decodes every slice's requests at once (one host thread per slice: the
+single controller dispatches to disjoint devices, which run concurrently) and tracks each
+slice's state:
+
+    BUSY ----(its requests are done)----> IDLE ----(the drafter has data, no trainer yet)---->
+    TRAINING ----(the last slice is done: preempted at the next drafter-step boundary)----> back
+    to the step boundary (the policy update).
+
+At most one slice trains at a time, and it trains the one canonical drafter (the first slice to
+go idle takes it; later idle slices stay IDLE). Data parallelism over the training slices would
+need collectives among a set of slices that changes while others decode, and a compile per set
+size, for a one-layer drafter whose step is already short; one trainer is also what makes
+"never on a BUSY slice's devices" trivially true. Drafter work is placed on the trainer slice's
+devices only.
+
+Preemption is cooperative: when the last slice finishes, the scheduler sets the trainer's stop
+event and waits; the trainer checks it between steps, so the latency is at most one drafter
+step (`SpotReport.preemption_latency_s` measures it). A trainer that raises is logged and
+counted (`trainer_failures`); the rollout is unaffected and the drafter keeps its last good
+state. An error in a decoding slice stops the trainer and is raised after every thread ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+
+from tlt_jax.rollout.engine import Completion, Request, RolloutEngine
+
+log = logging.getLogger(__name__)
+
+
+class SliceState(enum.Enum):
+    BUSY = "busy"
+    IDLE = "idle"
+    TRAINING = "training"
+
+
+@dataclasses.dataclass
+class RolloutSlice:
+    """One rollout replica: its devices and the engine whose arrays live on them."""
+
+    index: int
+    devices: tuple[Any, ...]
+    engine: RolloutEngine
+    state: SliceState = SliceState.IDLE
+
+    def device_context(self):
+        return jax.default_device(self.devices[0])
+
+
+class SpotTrainable(Protocol):
+    """What the scheduler trains on an idle slice (`tlt_jax.rl.spot.SpotTrainer`)."""
+
+    def ready(self) -> bool: ...
+
+    def train_on(self, slice_: RolloutSlice, stop: threading.Event, on_step) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceEvent:
+    """One interval of one slice's timeline, in seconds since the rollout started."""
+
+    slice: int
+    state: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass
+class SpotReport:
+    """What happened on the slices during one rollout."""
+
+    rollout_s: float
+    finish_s: list[float]
+    events: list[SliceEvent]
+    trainer_slice: int | None = None
+    drafter_steps: int = 0
+    drafter_step_s: list[float] = dataclasses.field(default_factory=list)
+    training_s: float = 0.0
+    preemption_latency_s: float | None = None
+    trainer_failures: int = 0
+
+    @property
+    def idle_slice_s(self) -> float:
+        """Slice-seconds between a slice's last request and the rollout's end."""
+        return sum(self.rollout_s - t for t in self.finish_s)
+
+    def metrics(self) -> dict[str, Any]:
+        idle = self.idle_slice_s
+        training = min(self.training_s, idle)
+        out: dict[str, Any] = {
+            "spot_slices": len(self.finish_s),
+            "spot_idle_slice_s": idle,
+            "spot_training_s": self.training_s,
+            "spot_reclaimed_share": training / idle if idle > 0 else 0.0,
+            "spot_drafter_steps": self.drafter_steps,
+            "spot_trainer_failures": self.trainer_failures,
+            "slice_finish_s": [round(t, 3) for t in self.finish_s],
+        }
+        if self.drafter_step_s:
+            out["spot_drafter_step_s"] = sum(self.drafter_step_s) / len(self.drafter_step_s)
+        if self.preemption_latency_s is not None:
+            out["spot_preemption_latency_s"] = self.preemption_latency_s
+        return out
+
+
+class SpotScheduler:
+    """Runs a rollout over the slices, handing the first idle slice drafter steps."""
+
+    def __init__(self, slices: Sequence[RolloutSlice], trainable: SpotTrainable | None = None):
+        if not slices:
+            raise ValueError("SpotScheduler needs at least one rollout slice")
+        devices = [d for s in slices for d in s.devices]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"rollout slices share devices: {[s.devices for s in slices]}")
+        self.slices = list(slices)
+        self.trainable = trainable
+
+    def rollout(
+        self, requests: Sequence[Sequence[Request]], *, progress: bool | None = None
+    ) -> tuple[list[list[Completion]], SpotReport]:
+        """Decodes `requests[i]` on slice i (all slices at once); returns the completions per
+        slice (in request order) and the report."""
+        if len(requests) != len(self.slices):
+            raise ValueError(f"{len(requests)} request lists for {len(self.slices)} slices")
+        for s, reqs in zip(self.slices, requests, strict=True):
+            s.engine.validate(reqs)  # before any thread starts
+        start = time.perf_counter()
+        if len(self.slices) == 1:  # nothing to overlap: decode in this thread
+            s = self.slices[0]
+            s.state = SliceState.BUSY
+            out = s.engine.generate(requests[0], progress=progress)
+            s.state = SliceState.IDLE
+            end = time.perf_counter() - start
+            return [out], SpotReport(end, [end], [SliceEvent(0, "busy", 0.0, end)])
+
+        results: list[list[Completion] | None] = [None] * len(self.slices)
+        errors: list[BaseException | None] = [None] * len(self.slices)
+        finished: queue.Queue = queue.Queue()
+
+        def decode(i: int) -> None:
+            s = self.slices[i]
+            try:
+                with s.device_context():
+                    results[i] = s.engine.generate(requests[i], progress=False)
+            except BaseException as e:  # re-raised by the controller
+                errors[i] = e
+            finally:
+                finished.put((i, time.perf_counter() - start))
+
+        threads = [threading.Thread(target=decode, args=(i,), name=f"slice{i}-decode",
+                                    daemon=True) for i in range(len(self.slices))]  # fmt: skip
+        for s in self.slices:
+            s.state = SliceState.BUSY
+        for t in threads:
+            t.start()
+        finish = [0.0] * len(self.slices)
+        report = SpotReport(0.0, finish, [])
+        stop = threading.Event()
+        trainer: threading.Thread | None = None
+        train_span = [0.0, 0.0]
+
+        def train(i: int) -> None:
+            s = self.slices[i]
+            train_span[0] = time.perf_counter() - start
+            try:
+                with s.device_context():
+                    report.drafter_steps = self.trainable.train_on(
+                        s, stop, report.drafter_step_s.append
+                    )
+            except Exception:
+                report.trainer_failures += 1
+                log.warning("drafter training on slice %d failed; the rollout goes on with "
+                            "the previous drafter", i, exc_info=True)  # fmt: skip
+            finally:
+                train_span[1] = time.perf_counter() - start
+
+        remaining = len(self.slices)
+        while remaining:
+            i, t = finished.get()
+            remaining -= 1
+            finish[i] = t
+            self.slices[i].state = SliceState.IDLE
+            if errors[i] is not None:
+                stop.set()
+                continue
+            if (remaining and trainer is None and self.trainable is not None
+                    and not stop.is_set() and self.trainable.ready()):  # fmt: skip
+                self.slices[i].state = SliceState.TRAINING
+                report.trainer_slice = i
+                trainer = threading.Thread(target=train, args=(i,), name=f"slice{i}-drafter",
+                                           daemon=True)  # fmt: skip
+                trainer.start()
+        report.rollout_s = time.perf_counter() - start
+        stop.set()
+        if trainer is not None:
+            trainer.join()
+            # Training inside the idle window; what ran past the rollout's end is the latency.
+            report.training_s = max(0.0, min(train_span[1], report.rollout_s) - train_span[0])
+            report.preemption_latency_s = max(0.0, train_span[1] - report.rollout_s)
+        for t in threads:
+            t.join()
+        for s in self.slices:
+            s.state = SliceState.IDLE
+        for i, t in enumerate(finish):
+            report.events.append(SliceEvent(i, "busy", 0.0, t))
+            if i == report.trainer_slice:
+                report.events.append(SliceEvent(i, "training", train_span[0], train_span[1]))
+                tail = (train_span[1], report.rollout_s)
+            else:
+                tail = (t, report.rollout_s)
+            if tail[1] > tail[0]:
+                report.events.append(SliceEvent(i, "idle", *tail))
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+        return results, report  # type: ignore[return-value]

@@ -1,0 +1,200 @@
+"""TLT's adaptive drafter in the RL loop: rollout slices, spot training, version sync.
+
+`SpotConfig` is the `spot` config group. With `spot.slices = R > 1` the trainer builds R engine
+replicas, one per disjoint set of local devices (`build_slices`), spreads whole GRPO groups
+over them (`split_groups`, balanced by prompt count) and decodes them at once through
+`tlt_jax.parallel.scheduler.SpotScheduler`. With `spot.enabled` the first slice to finish
+trains the one canonical `OnlineDrafter` on its devices until the last slice is done; at the
+step boundary the new version reaches every slice through the engines' checked sync entry
+points (`publish_drafter`, `sync_policy`).
+
+Rollouts stay exactly what they would be without spot training: every engine drafts with the
+version published at the previous boundary throughout the rollout, and speculative decoding is
+lossless whatever the drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tlt_jax.drafter.online import OnlineDrafter
+from tlt_jax.drafter.trainer import DrafterTrainConfig
+from tlt_jax.parallel.scheduler import RolloutSlice
+from tlt_jax.programs import ProgramPool
+from tlt_jax.rollout.engine import Completion, Request, RolloutEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class SpotConfig:
+    """The `spot` group: rollout slices and the spot-trained drafter (DESIGN.md section 4).
+
+    Attributes:
+      slices: R rollout slices (engine replicas on disjoint local devices; on a CPU set
+        `XLA_FLAGS=--xla_force_host_platform_device_count=R`, or run R processes).
+      enabled: train the drafter online on idle slices (needs R >= 2: one slice is never
+        idle while the rollout runs). Without `spec.drafter` it starts from a random init.
+      learning_rate / warmup_steps: the drafter's AdamW (constant after a linear warm-up).
+      batch_rows / row_len / window / prompt_context / buffer_steps: drafter batches (packed
+        windows of the last `buffer_steps` RL steps' features).
+      ploss_weight: weight of the token (soft cross-entropy) loss next to the feature loss.
+      max_steps_per_rl_step: cap on drafter steps per RL step (0: until preempted).
+      export: write the drafter as an HF-EAGLE directory (`workdir/drafter`) at the end.
+    """
+
+    slices: int = 1
+    enabled: bool = False
+    learning_rate: float = 3e-4
+    warmup_steps: int = 10
+    batch_rows: int = 2
+    row_len: int = 512
+    window: int = 512
+    prompt_context: int = 64
+    buffer_steps: int = 2
+    ploss_weight: float = 0.1
+    max_steps_per_rl_step: int = 0
+    export: bool = True
+
+    def __post_init__(self):
+        for name in ("slices", "batch_rows", "row_len", "window", "buffer_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"spot.{name}={value!r} must be an integer >= 1")
+        for name in ("warmup_steps", "prompt_context", "max_steps_per_rl_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"spot.{name}={value!r} must be an integer >= 0")
+        if self.enabled and self.slices < 2:
+            raise ValueError(f"spot.enabled=True needs spot.slices >= 2 (got {self.slices}): "
+                             "a single slice is never idle while the rollout runs")  # fmt: skip
+        if self.window > self.row_len:
+            raise ValueError(f"spot.window={self.window} must be <= spot.row_len={self.row_len}")
+        self.train_config()  # the remaining checks (learning rate, loss weights)
+
+    def train_config(self) -> DrafterTrainConfig:
+        return DrafterTrainConfig(
+            learning_rate=self.learning_rate, schedule="constant",
+            warmup_steps=self.warmup_steps, total_steps=self.warmup_steps + 1,
+            ploss_weight=self.ploss_weight, window=self.window,
+            prompt_context=self.prompt_context, batch_rows=self.batch_rows,
+            row_len=self.row_len, buffer_steps=self.buffer_steps,
+        )  # fmt: skip
+
+
+# -- slices ----------------------------------------------------------------------------------
+
+
+def split_devices(devices: Sequence[Any], count: int) -> list[tuple[Any, ...]]:
+    """`count` disjoint, equal, contiguous groups of `devices`.
+
+    Raises:
+      ValueError: when the devices do not split evenly into `count` groups.
+    """
+    if count < 1 or len(devices) < count or len(devices) % count:
+        raise ValueError(
+            f"spot.slices={count} needs a multiple of {count} local devices; this process has "
+            f"{len(devices)} ({[str(d) for d in devices]}). On a CPU, set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={count} before JAX starts"
+        )
+    size = len(devices) // count
+    return [tuple(devices[i * size : (i + 1) * size]) for i in range(count)]
+
+
+def place_engine(engine: RolloutEngine, device) -> RolloutEngine:
+    """Moves an engine's policy, drafter and decode state onto `device` (before it compiles)."""
+    engine.params = jax.device_put(engine.params, device)
+    if engine.drafter_params is not None:
+        engine.drafter_params = jax.device_put(engine.drafter_params, device)
+    engine.state = jax.device_put(engine.state, device)
+    return engine
+
+
+def build_slices(build_engine, model, devices_per_slice: Sequence[tuple[Any, ...]],
+                 first_pool: ProgramPool) -> list[RolloutSlice]:  # fmt: skip
+    """One engine replica per device group; slice 0 compiles into the trainer's pool.
+
+    Args:
+      build_engine: `(model, pool) -> RolloutEngine` (the run's engine settings).
+      model: the policy (its params are copied onto each slice's first device).
+      devices_per_slice: `split_devices` output; each slice runs on its first device.
+      first_pool: the trainer's program pool, shared with slice 0's engine.
+    """
+    graphdef, params = nnx.split(model)
+    slices = []
+    for i, devices in enumerate(devices_per_slice):
+        with jax.default_device(devices[0]):
+            replica = nnx.merge(graphdef, jax.device_put(params, devices[0]))
+            engine = build_engine(replica, first_pool if i == 0 else ProgramPool())
+            slices.append(RolloutSlice(i, devices, place_engine(engine, devices[0])))
+    return slices
+
+
+def split_groups(requests: Sequence[Request], group_size: int, count: int
+                 ) -> list[list[int]]:  # fmt: skip
+    """Request indices per slice: whole groups, contiguous, prompt counts differing by <= 1."""
+    groups = len(requests) // group_size
+    bounds = np.linspace(0, groups, count + 1).round().astype(int)
+    return [list(range(bounds[i] * group_size, bounds[i + 1] * group_size))
+            for i in range(count)]  # fmt: skip
+
+
+def merge_completions(
+    per_slice: Sequence[Sequence[Completion]], indices: Sequence[Sequence[int]], total: int
+) -> list[Completion]:
+    """Completions back in request order, each renumbered to its request's index."""
+    out: list[Completion | None] = [None] * total
+    for comps, idx in zip(per_slice, indices, strict=True):
+        for c, i in zip(comps, idx, strict=True):
+            out[i] = dataclasses.replace(c, index=i)
+    return out  # type: ignore[return-value]
+
+
+def _like(tree, like):
+    """`tree` placed with `like`'s shardings."""
+    return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like))
+
+
+def sync_policy(params, slices: Sequence[RolloutSlice]) -> None:
+    """The train params into every slice's engine (copied to its devices; checked there)."""
+    for s in slices:
+        s.engine.update_params(_like(params, s.engine.params))
+
+
+def push_drafter(online: OnlineDrafter, slices: Sequence[RolloutSlice]) -> None:
+    """The drafter's current params and hot vocabulary into every slice's engine (checked)."""
+    params = online.params()
+    for s in slices:
+        s.engine.update_drafter_params(_like(params, s.engine.drafter_params))
+        if online.hot_ids is not None:
+            s.engine.set_hot_token_ids(online.hot_ids)
+
+
+def publish_drafter(online: OnlineDrafter, slices: Sequence[RolloutSlice]) -> dict[str, Any]:
+    """Ends the drafter's window: the new version and hot vocabulary reach every slice."""
+    metrics = online.publish()
+    push_drafter(online, slices)
+    return metrics
+
+
+class SpotTrainer:
+    """The scheduler's `SpotTrainable`: drafter steps against the idle slice's policy copy."""
+
+    def __init__(self, online: OnlineDrafter, max_steps: int = 0):
+        self.online = online
+        self.max_steps = max_steps
+
+    def ready(self) -> bool:
+        return self.online.ready()
+
+    def train_on(self, slice_: RolloutSlice, stop: threading.Event, on_step) -> int:
+        model = nnx.merge(slice_.engine.graphdef, slice_.engine.params)
+        return self.online.train_on(
+            slice_.devices, model.embed.get_value(), model.head_weight_DxV(), stop,
+            max_steps=self.max_steps, on_step=on_step,
+        )  # fmt: skip
