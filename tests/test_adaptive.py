@@ -186,7 +186,6 @@ def test_spec_config_builds_the_bandit_and_rejects_bad_values():
     assert SpecConfig(drafter="/x").sources(has_drafter=True) == ("eagle", "ngram", "hybrid")
     for kwargs, match in (
         (dict(mode="sometimes"), "spec.mode='sometimes'"),
-        (dict(draft_sources="eagle"), "needs a drafter"),
         (dict(draft_sources="ngram,medusa"), "spec.draft_sources"),
         (dict(attention_impl="cuda"), "spec.attention_impl"),
         (dict(strategies=("4,1,5",)), "spec.strategies has 1 buckets"),

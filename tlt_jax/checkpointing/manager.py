@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -43,11 +44,28 @@ class RunCheckpointer:
     """Keeps the last `max_to_keep` checkpoints of one run under `directory`."""
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
-                 async_save: bool = True):  # fmt: skip
+                 async_save: bool = True, process_local: bool = False):  # fmt: skip
+        """
+        Args:
+          process_local: in a multi-process run whose state is replicated per process (each
+            holds the whole state on its own devices), this process reads and writes on its
+            own, without orbax's cross-process barriers; the trainer saves from process 0
+            only.
+        """
         self.directory = Path(directory).expanduser().absolute()
+        self._process_local = process_local
+        multiprocessing = ocp.options.MultiprocessingOptions()
+        if process_local:
+            self.directory.mkdir(parents=True, exist_ok=True)  # orbax won't with active_processes
+            index = jax.process_index()
+            multiprocessing = ocp.options.MultiprocessingOptions(
+                primary_host=index, active_processes={index},
+                barrier_sync_key_prefix=f"process{index}",
+            )  # fmt: skip
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
+            max_to_keep=max_to_keep, create=not process_local,
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
+            multiprocessing_options=multiprocessing,
         )  # fmt: skip
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -63,6 +81,8 @@ class RunCheckpointer:
         """Starts saving (returns before the files are written when async). False if present."""
         if step in self._manager.all_steps():
             return False
+        if self._process_local:  # orbax saves only global arrays across processes: host copies
+            state, drafter = jax.device_get((state, drafter))
         items = dict(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave({k: int(v) for k, v in data_position.items()}),
@@ -87,18 +107,29 @@ class RunCheckpointer:
         step = self._manager.latest_step() if step is None else step
         if step is None:
             return None
-        items = {"state": ocp.args.StandardRestore(_abstract(like)),
+        items = {"state": ocp.args.StandardRestore(self._target(like)),
                  "data": ocp.args.JsonRestore(), "config": ocp.args.JsonRestore()}  # fmt: skip
         has_extra = (self.directory / str(step) / "extra").exists()
         if has_extra:
             items["extra"] = ocp.args.JsonRestore()
         has_drafter = drafter_like is not None and (self.directory / str(step) / "drafter").exists()
         if has_drafter:
-            items["drafter"] = ocp.args.StandardRestore(_abstract(drafter_like))
+            items["drafter"] = ocp.args.StandardRestore(self._target(drafter_like))
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         extra = dict(restored.extra) if has_extra else {}
-        return Restored(step, restored.state, dict(restored.data), dict(restored.config), extra,
-                        restored.drafter if has_drafter else None)  # fmt: skip
+        state = self._placed(restored.state, like)
+        drafter = self._placed(restored.drafter, drafter_like) if has_drafter else None
+        return Restored(step, state, dict(restored.data), dict(restored.config), extra, drafter)
+
+    def _target(self, like):
+        if self._process_local:  # restored as host arrays, then placed like `like`
+            return jax.tree.map(lambda x: np.empty(x.shape, x.dtype), like)
+        return _abstract(like)
+
+    def _placed(self, tree, like):
+        if not self._process_local:
+            return tree
+        return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like))
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are on disk."""

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tlt_jax.drafter.data import DrafterBuffer
+from tlt_jax.drafter.data import DrafterBatch, DrafterBuffer
 from tlt_jax.drafter.hot_vocab import hot_token_ids
 from tlt_jax.drafter.trainer import (
     DrafterTrainConfig,
@@ -94,6 +94,7 @@ class OnlineDrafter:
         self._published_step = 0
         self._lock = threading.Lock()
         self._window: list[dict[str, float]] = []  # metrics of the steps since publish
+        self._compiled: dict[Any, Any] = {}  # device -> precompiled train step
 
     # -- data ------------------------------------------------------------------------------
 
@@ -116,6 +117,30 @@ class OnlineDrafter:
         return int(jax.device_get(self.state.step))
 
     # -- training --------------------------------------------------------------------------
+
+    def precompile(self, device, embed_VxD: jax.Array) -> float:
+        """Compiles the train step for `device` ahead of the first idle window (a compile
+        there would be one long drafter step, and the preemption would wait for it);
+        returns the seconds it took (0 when it was compiled already)."""
+        cfg = self.config
+        d = self.target_config.hidden_size
+        u = self.hot_vocab or self.target_config.vocab_size
+        sharding = jax.sharding.SingleDeviceSharding(device)
+
+        def spec(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        rows = (cfg.batch_rows, cfg.row_len)
+        batch = DrafterBatch(spec(rows, jnp.int32), spec((*rows, d), self.buffer.feature_dtype),
+                             spec(rows, jnp.bool_), spec(rows, jnp.int32),
+                             spec(rows, jnp.int32))  # fmt: skip
+        state = jax.tree.map(lambda x: spec(x.shape, x.dtype), self.state)
+        start = time.perf_counter()
+        compiled = self._train_step.lower(
+            state, batch, spec(embed_VxD.shape, embed_VxD.dtype), spec((d, u), embed_VxD.dtype)
+        ).compile()
+        self._compiled[device] = compiled
+        return time.perf_counter() - start
 
     def train_on(
         self,
@@ -156,9 +181,8 @@ class OnlineDrafter:
                 if batch is None:
                     break
                 start = time.perf_counter()
-                new_state, metrics = self._train_step(
-                    state, jax.device_put(batch, device), embed, head
-                )
+                train_step = self._compiled.get(device, self._train_step)
+                new_state, metrics = train_step(state, jax.device_put(batch, device), embed, head)
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if on_step is not None:
                     on_step(time.perf_counter() - start)
@@ -215,6 +239,20 @@ class OnlineDrafter:
             "rng": self._rng.bit_generator.state,
             "token_counts": self.token_counts.tolist() if self.token_counts.any() else [],
         }
+
+    def sync_dict(self) -> dict[str, Any]:
+        """What another process needs to continue from this one's training (JSON): the
+        counters, the sampling stream and the metrics of the steps since the last publish."""
+        return {"failures": self.failures, "rng": self._rng.bit_generator.state,
+                "window": self._window}  # fmt: skip
+
+    def load_sync(self, train_state: DrafterTrainState, host: dict[str, Any]) -> None:
+        """Takes over another process's training (`sync_dict`, its broadcast train state)."""
+        with self._lock:
+            self.state = train_state
+            self.failures = int(host["failures"])
+            self._rng.bit_generator.state = host["rng"]
+            self._window = list(host["window"])
 
     def load_state_dict(self, state: dict[str, Any], train_state: DrafterTrainState) -> None:
         self.state = train_state

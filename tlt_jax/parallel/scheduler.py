@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import jax
 
+from tlt_jax.parallel.distributed import ProcessGroup
 from tlt_jax.rollout.engine import Completion, Request, RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class SpotReport:
     trainer_slice: int | None = None
     drafter_steps: int = 0
     drafter_step_s: list[float] = dataclasses.field(default_factory=list)
+    drafter_step_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     training_s: float = 0.0
     preemption_latency_s: float | None = None
     trainer_failures: int = 0
@@ -99,11 +101,14 @@ class SpotReport:
 
     def metrics(self) -> dict[str, Any]:
         idle = self.idle_slice_s
-        training = min(self.training_s, idle)
+        # Reclaimed: idle slice-seconds inside drafter steps (not their set-up, and not what a
+        # step ran past the rollout's end).
+        training = min(idle, sum(max(0.0, min(b, self.rollout_s) - a)
+                                 for a, b in self.drafter_step_spans))  # fmt: skip
         out: dict[str, Any] = {
             "spot_slices": len(self.finish_s),
             "spot_idle_slice_s": idle,
-            "spot_training_s": self.training_s,
+            "spot_training_s": training,
             "spot_reclaimed_share": training / idle if idle > 0 else 0.0,
             "spot_drafter_steps": self.drafter_steps,
             "spot_trainer_failures": self.trainer_failures,
@@ -129,16 +134,27 @@ class SpotScheduler:
         self.trainable = trainable
 
     def rollout(
-        self, requests: Sequence[Sequence[Request]], *, progress: bool | None = None
-    ) -> tuple[list[list[Completion]], SpotReport]:
+        self, requests: Sequence[Sequence[Request]], *, progress: bool | None = None,
+        group: ProcessGroup | None = None, step: int = 0,
+    ) -> tuple[list[list[Completion]], SpotReport]:  # fmt: skip
         """Decodes `requests[i]` on slice i (all slices at once); returns the completions per
-        slice (in request order) and the report."""
+        slice (in request order) and the report.
+
+        Args:
+          requests: one request list per local slice.
+          progress: a progress bar (single-slice runs only).
+          group: the run's processes when it spans several: this process's slices are then
+            some of the run's, the trainer role is claimed across processes (one canonical
+            drafter), and the rollout ends when every process's slices are done.
+          step: the RL step (names this rollout's keys in the coordination service).
+        """
+        multi = group is not None and group.count > 1
         if len(requests) != len(self.slices):
             raise ValueError(f"{len(requests)} request lists for {len(self.slices)} slices")
         for s, reqs in zip(self.slices, requests, strict=True):
             s.engine.validate(reqs)  # before any thread starts
         start = time.perf_counter()
-        if len(self.slices) == 1:  # nothing to overlap: decode in this thread
+        if len(self.slices) == 1 and not multi:  # nothing to overlap: decode in this thread
             s = self.slices[0]
             s.state = SliceState.BUSY
             out = s.engine.generate(requests[0], progress=progress)
@@ -172,14 +188,17 @@ class SpotScheduler:
         trainer: threading.Thread | None = None
         train_span = [0.0, 0.0]
 
+        def on_step(seconds: float) -> None:
+            end = time.perf_counter() - start
+            report.drafter_step_s.append(seconds)
+            report.drafter_step_spans.append((end - seconds, end))
+
         def train(i: int) -> None:
             s = self.slices[i]
             train_span[0] = time.perf_counter() - start
             try:
                 with s.device_context():
-                    report.drafter_steps = self.trainable.train_on(
-                        s, stop, report.drafter_step_s.append
-                    )
+                    report.drafter_steps = self.trainable.train_on(s, stop, on_step)
             except Exception:
                 report.trainer_failures += 1
                 log.warning("drafter training on slice %d failed; the rollout goes on with "
@@ -195,14 +214,20 @@ class SpotScheduler:
             self.slices[i].state = SliceState.IDLE
             if errors[i] is not None:
                 stop.set()
-                continue
-            if (remaining and trainer is None and self.trainable is not None
-                    and not stop.is_set() and self.trainable.ready()):  # fmt: skip
+            if multi and not remaining:  # this process's slices are all done
+                group.set(f"done/{step}", {"failed": any(e is not None for e in errors)})
+            busy_elsewhere = remaining > 0 or (multi and not _all_done(group, step))
+            if (busy_elsewhere and trainer is None and self.trainable is not None
+                    and not stop.is_set() and self.trainable.ready()
+                    and (group is None or group.claim(f"trainer/{step}"))):  # fmt: skip
                 self.slices[i].state = SliceState.TRAINING
                 report.trainer_slice = i
                 trainer = threading.Thread(target=train, args=(i,), name=f"slice{i}-drafter",
                                            daemon=True)  # fmt: skip
                 trainer.start()
+        if multi:  # the rollout ends when the run's last slice is done
+            for p in range(group.count):
+                group.wait_for(f"done/{step}", p)
         report.rollout_s = time.perf_counter() - start
         stop.set()
         if trainer is not None:
@@ -227,3 +252,8 @@ class SpotScheduler:
         if failed:
             raise failed[0]
         return results, report  # type: ignore[return-value]
+
+
+def _all_done(group: ProcessGroup, step: int) -> bool:
+    """Whether every process has reported its slices done for `step` (non-blocking)."""
+    return group.count_set(f"done/{step}") == group.count

@@ -23,6 +23,7 @@ from tlt_jax.data.tokenizer import stop_token_ids
 from tlt_jax.metrics.plots import PLOT_FILES
 from tlt_jax.metrics.timing import PHASES
 from tlt_jax.metrics.writer import read_metrics
+from tlt_jax.parallel import distributed
 from tlt_jax.rl import evaluation, policy
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
@@ -131,19 +132,22 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
     start = time.perf_counter()
     cfg = _as_train_config(config)
     workdir = Path(workdir)
+    distributed.initialize_from_env()  # a no-op unless launched as several processes
     trainer = Trainer(cfg, workdir, progress=progress)
     try:
         before = _load_eval(workdir, "before")
         if before is None and cfg.eval.at_start and cfg.eval.num_problems:
             if trainer.step_count == 0:
                 before = trainer.evaluate()
-                _save_eval(workdir, "before", before, 0)
+                if trainer.group.is_primary:
+                    _save_eval(workdir, "before", before, 0)
                 log.info("accuracy before training: %s", before.summary())
         trainer.train()
         after = None
         if cfg.eval.at_end and cfg.eval.num_problems:
             after = trainer.evaluate()
-            _save_eval(workdir, "after", after, trainer.step_count)
+            if trainer.group.is_primary:
+                _save_eval(workdir, "after", after, trainer.step_count)
         plots = trainer.plot()
     finally:
         trainer.close()

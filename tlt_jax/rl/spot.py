@@ -16,6 +16,7 @@ lossless whatever the drafter.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from flax import nnx
 
 from tlt_jax.drafter.online import OnlineDrafter
 from tlt_jax.drafter.trainer import DrafterTrainConfig
+from tlt_jax.parallel.distributed import ProcessGroup
 from tlt_jax.parallel.scheduler import RolloutSlice
 from tlt_jax.programs import ProgramPool
 from tlt_jax.rollout.engine import Completion, Request, RolloutEngine
@@ -116,7 +118,7 @@ def place_engine(engine: RolloutEngine, device) -> RolloutEngine:
 
 
 def build_slices(build_engine, model, devices_per_slice: Sequence[tuple[Any, ...]],
-                 first_pool: ProgramPool) -> list[RolloutSlice]:  # fmt: skip
+                 first_pool: ProgramPool, first_index: int = 0) -> list[RolloutSlice]:  # fmt: skip
     """One engine replica per device group; slice 0 compiles into the trainer's pool.
 
     Args:
@@ -124,6 +126,7 @@ def build_slices(build_engine, model, devices_per_slice: Sequence[tuple[Any, ...
       model: the policy (its params are copied onto each slice's first device).
       devices_per_slice: `split_devices` output; each slice runs on its first device.
       first_pool: the trainer's program pool, shared with slice 0's engine.
+      first_index: the run-wide index of this process's first slice.
     """
     graphdef, params = nnx.split(model)
     slices = []
@@ -131,7 +134,8 @@ def build_slices(build_engine, model, devices_per_slice: Sequence[tuple[Any, ...
         with jax.default_device(devices[0]):
             replica = nnx.merge(graphdef, jax.device_put(params, devices[0]))
             engine = build_engine(replica, first_pool if i == 0 else ProgramPool())
-            slices.append(RolloutSlice(i, devices, place_engine(engine, devices[0])))
+            slices.append(RolloutSlice(first_index + i, devices,
+                                       place_engine(engine, devices[0])))  # fmt: skip
     return slices
 
 
@@ -153,6 +157,99 @@ def merge_completions(
         for c, i in zip(comps, idx, strict=True):
             out[i] = dataclasses.replace(c, index=i)
     return out  # type: ignore[return-value]
+
+
+def gather_completions(group: ProcessGroup, step: int, per_slice, indices, total: int
+                       ) -> list[Completion]:  # fmt: skip
+    """Every process's completions, in request order, on every process (one process: a
+    merge). Token ids, log-probs (floats round-trip JSON exactly) and finish reasons travel;
+    timings stay local."""
+    if group.count == 1:
+        return merge_completions(per_slice, indices, total)
+    mine = [[i, list(c.prompt_ids), c.token_ids, c.logprobs, c.finish_reason,
+             c.accepted_lengths]
+            for comps, idx in zip(per_slice, indices, strict=True)
+            for c, i in zip(comps, idx, strict=True)]  # fmt: skip
+    out: list[Completion | None] = [None] * total
+    for part in group.allgather(f"completions/{step}", mine):
+        for i, prompt, tokens, logprobs, reason, accepted in part:
+            out[i] = Completion(i, tuple(prompt), tokens, logprobs, reason, accepted)
+    missing = [i for i, c in enumerate(out) if c is None]
+    if missing:
+        raise RuntimeError(f"step {step}: no process returned completions {missing[:8]}")
+    return out  # type: ignore[return-value]
+
+
+def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict[str, Any]:
+    """One step record's rollout fields from every process's `rollout_stats`.
+
+    The long tail is counted in slice-seconds (each slice against its own running requests,
+    which is what its SD decisions see); SD shares and acceptance sum the processes' counters;
+    spot fields (when the run has slices) sum idle and training slice-seconds.
+    """
+    tails = [t for s in stats for t in s["tail"]]
+    total = sum(t["rollout_decode_s"] for t in tails)
+    tail_s = sum(t["long_tail_s"] for t in tails)
+    out: dict[str, Any] = {
+        "long_tail_share": tail_s / total if total > 0 else 0.0,
+        "long_tail_s": tail_s,
+        "rollout_decode_s": max(t["rollout_decode_s"] for t in tails),
+        "sd_tail_s": sum(t["sd_tail_s"] for t in tails),
+    }
+    spec = sum(s["spec"]["spec"] for s in stats)
+    plain = sum(s["spec"]["plain"] for s in stats)
+    out.update(sd_step_share=spec / (spec + plain) if spec + plain else 0.0, sd_steps=spec,
+               sd_threshold=stats[0]["spec"]["threshold"])  # fmt: skip
+    for source in sorted({k for s in stats for k in s["spec"]["rows"]}):
+        rows = sum(s["spec"]["rows"].get(source, 0) for s in stats)
+        if rows:
+            out[f"accept_len_{source}"] = sum(s["spec"]["tokens"].get(source, 0)
+                                              for s in stats) / rows  # fmt: skip
+    choices: dict[str, int] = {}
+    for s in stats:
+        for arm, n in s["spec"]["choices"].items():
+            choices[arm] = choices.get(arm, 0) + n
+    out["sd_choices"] = choices
+    if sliced:
+        spots = [s["spot"] for s in stats]
+        idle = sum(m["spot_idle_slice_s"] for m in spots)
+        training = sum(min(m["spot_training_s"], m["spot_idle_slice_s"]) for m in spots)
+        out.update(
+            spot_slices=sum(m["spot_slices"] for m in spots), spot_idle_slice_s=idle,
+            spot_training_s=training, spot_reclaimed_share=training / idle if idle else 0.0,
+            spot_drafter_steps=sum(m["spot_drafter_steps"] for m in spots),
+            spot_trainer_failures=sum(m["spot_trainer_failures"] for m in spots),
+            slice_finish_s=[t for m in spots for t in m["slice_finish_s"]],
+        )  # fmt: skip
+        for name in ("spot_drafter_step_s", "spot_preemption_latency_s"):
+            values = [m[name] for m in spots if name in m]
+            if values:
+                out[name] = max(values)
+    return out
+
+
+def sync_drafter_across(group: ProcessGroup, step: int, online: OnlineDrafter) -> None:
+    """Makes the process that trained this step's drafter the source of every process's copy.
+
+    All processes first meet at a barrier: the trainer role was claimed during the rollout,
+    before its claimer arrived, so after the barrier every process reads the same owner.
+    """
+    group.barrier(f"boundary/{step}")
+    owner = group.owner(f"trainer/{step}")
+    if owner is None:
+        return
+    state = group.broadcast(online.state, source=owner)
+    host = group.allgather(f"drafter/{step}", online.sync_dict() if group.index == owner else {})
+    online.load_sync(jax.device_put(state, jax.local_devices()[0]), host[owner])
+
+
+def processes_in_sync(group: ProcessGroup, step: int, *trees) -> bool:
+    """Whether every process holds bit-identical `trees` (policy and drafter params)."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(trees)):
+        digest.update(np.ascontiguousarray(leaf).tobytes())
+    digests = group.allgather(f"digest/{step}", digest.hexdigest())
+    return len(set(digests)) == 1
 
 
 def _like(tree, like):

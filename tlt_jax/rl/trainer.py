@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tlt_jax.checkpointing.manager import RunCheckpointer
@@ -42,6 +43,7 @@ from tlt_jax.metrics.plots import TIMELINE_FILE, save_timeline, write_plots
 from tlt_jax.metrics.progress import progress_bar
 from tlt_jax.metrics.writer import MetricsWriter, read_metrics
 from tlt_jax.parallel import sharding as sharding_lib
+from tlt_jax.parallel.distributed import ProcessGroup
 from tlt_jax.parallel.scheduler import RolloutSlice, SpotScheduler
 from tlt_jax.programs import ProgramPool, abstract_like
 from tlt_jax.rl import evaluation, packing, policy, spot
@@ -110,13 +112,19 @@ class Trainer:
             self._train_examples, cfg.rl.prompts_per_step, seed=cfg.data.seed
         )
         self._eval_examples: list[dict] | None = None
+        self.group = ProcessGroup()
         slice_devices = None
-        if cfg.spot.slices > 1:  # checked before any model loads
+        if cfg.spot.slices > 1 or self.group.count > 1:  # checked before any model loads
             if cfg.model.uses_mesh:
                 raise ValueError(f"spot.slices={cfg.spot.slices} with model.mesh_shape="
                                  f"{cfg.model.mesh_shape}: rollout slices are one device each "
                                  "in this version; keep model.mesh_shape=(1, 1)")  # fmt: skip
-            slice_devices = spot.split_devices(jax.local_devices(), cfg.spot.slices)
+            if cfg.spot.slices % self.group.count:
+                raise ValueError(f"spot.slices={cfg.spot.slices} must be a multiple of the "
+                                 f"number of processes ({self.group.count}): every process "
+                                 "runs the same number of slices")  # fmt: skip
+            local = cfg.spot.slices // self.group.count
+            slice_devices = spot.split_devices(jax.local_devices(), local)
 
         self.mesh = policy.build_mesh(cfg.model)
         model = model if model is not None else policy.build_policy(cfg.model, self.mesh)
@@ -139,7 +147,13 @@ class Trainer:
             devices = tuple(jax.tree.leaves(self.engine.params)[0].devices())
             self.slices = [RolloutSlice(0, devices, self.engine)]
         else:
-            self.slices = spot.build_slices(build, model, slice_devices, self.pool)
+            self.slices = spot.build_slices(
+                build,
+                model,
+                slice_devices,
+                self.pool,
+                first_index=self.group.index * len(slice_devices),
+            )
             self.engine = self.slices[0].engine
         trainable = None
         if self.online is not None:
@@ -166,7 +180,7 @@ class Trainer:
 
         self.checkpointer = RunCheckpointer(
             self.workdir / "checkpoints", max_to_keep=cfg.checkpoint.max_to_keep,
-            async_save=cfg.checkpoint.async_save,
+            async_save=cfg.checkpoint.async_save, process_local=self.group.count > 1,
         )  # fmt: skip
         self.restored_from: int | None = None
         drafter_like = None if self.online is None else self.online.state
@@ -182,7 +196,9 @@ class Trainer:
                 log.warning("resuming step %d with changed config groups %s", restored.step,
                             sorted(changed))  # fmt: skip
             self.sync_weights()
-        self.threshold = policy.resolve_threshold(cfg, self.engine, self.workdir)
+        self.threshold = policy.resolve_threshold(
+            cfg, self.engine, self.workdir if self.group.is_primary else None
+        )
         bandits = restored.extra.get("bandits") if restored is not None else None
         if restored is not None and not bandits and restored.extra.get("bandit"):
             bandits = [restored.extra["bandit"]]
@@ -194,8 +210,10 @@ class Trainer:
                 s.engine.step_policy.load_state_dict(bandits[s.index])
         self.step_count = int(jax.device_get(self.state.step))
         self._rng_words = np.asarray(jax.device_get(self.state.rng))
-        self.writer = MetricsWriter(self.workdir)
-        self.writer.truncate_after(self.step_count)
+        # Process 0 writes the run's metrics, checkpoints, plots and exports.
+        self.writer = MetricsWriter(self.workdir) if self.group.is_primary else None
+        if self.writer is not None:
+            self.writer.truncate_after(self.step_count)
         self._nonfinite_streak = 0
         self._last_timeline: list = []
 
@@ -274,11 +292,17 @@ class Trainer:
             )  # fmt: skip
         self._programs(self._put(batch))
         self._apply_program()
+        if self.online is not None:  # the drafter step, on every slice that may train it
+            embed = nnx.merge(self.engine.graphdef, self.engine.params).embed.get_value()
+            for s in self.slices:
+                seconds = self.online.precompile(s.devices[0], embed)
+                log.info("compiled the drafter step for slice %d in %.1f s", s.index, seconds)
         report = [{"program": "/".join(map(str, c.key)), "compile_s": round(c.seconds, 2),
                    **c.memory} for c in self.pool.compiled]  # fmt: skip
         for row in report:
             log.info("compiled %s", row)
-        (self.workdir / "compile_report.json").write_text(json.dumps(report, indent=1))
+        if self.group.is_primary:
+            (self.workdir / "compile_report.json").write_text(json.dumps(report, indent=1))
         return report
 
     # -- one step ------------------------------------------------------------------------------
@@ -296,16 +320,23 @@ class Trainer:
                     for i, prompt in enumerate(prompts) for j in range(g)]  # fmt: skip
 
         spec_before = [_spec_counters(s.engine.stats) for s in self.slices]
-        indices = spot.split_groups(requests, g, len(self.slices))
+        first = self.slices[0].index  # this process's slices among the run's
+        indices = spot.split_groups(requests, g, cfg.spot.slices)[first : first + len(self.slices)]
         with timer.phase("rollout"):
             per_slice, spot_report = self.scheduler.rollout(
-                [[requests[i] for i in idx] for idx in indices], progress=self.progress
-            )
-        completions = spot.merge_completions(per_slice, indices, len(requests))
+                [[requests[i] for i in idx] for idx in indices], progress=self.progress,
+                group=self.group, step=step,
+            )  # fmt: skip
+            completions = spot.gather_completions(self.group, step, per_slice, indices,
+                                                  len(requests))  # fmt: skip
         # Copies: evaluate()'s generate clears the engines' timelines.
         timelines = [list(s.engine.stats.timeline) for s in self.slices]
         self._last_timeline = timelines[0]
-        self._last_spot = spot_report
+        rollout_stats = self.group.allgather(f"rollout_stats/{step}", {
+            "tail": [timing.tail_stats(t, self.threshold) for t in timelines],
+            "spec": self._spec_metrics(spec_before),
+            "spot": spot_report.metrics(),
+        })  # fmt: skip
         with timer.phase("reward"):
             texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                      for c in completions]  # fmt: skip
@@ -350,7 +381,14 @@ class Trainer:
             self.sync_weights()
             drafter_metrics = {}
             if self.online is not None:  # the version trained during this rollout
+                if self.group.count > 1:
+                    spot.sync_drafter_across(self.group, step, self.online)
                 drafter_metrics = spot.publish_drafter(self.online, self.slices)
+            if self.group.count > 1:
+                drafter_metrics["processes_in_sync"] = spot.processes_in_sync(
+                    self.group, step, self.state.params,
+                    None if self.online is None else self.online.params(),
+                )  # fmt: skip
         self.state = self.state.replace(step=self.state.step + 1)
         self.step_count = step
         for key, logprobs in old_logprobs.items():
@@ -376,9 +414,7 @@ class Trainer:
             "truncated_share": float(np.mean([c.finish_reason == "length" for c in completions])),
             "generated_tokens": generated,
             "tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0,
-            **_tail_stats(timelines, self.threshold),
-            **self._spec_metrics(spec_before),
-            **(spot_report.metrics() if len(self.slices) > 1 else {}),
+            **spot.combine_rollout_stats(rollout_stats, cfg.spot.slices > 1),
             **drafter_metrics,
             "logprob_diff": float(np.mean(logprob_diffs)) if logprob_diffs else 0.0,
             "reward_errors": scored.num_errors,
@@ -397,29 +433,24 @@ class Trainer:
                 self.pool.compile_seconds + sum(e.compile_seconds for e in engines))  # fmt: skip
 
     def _spec_metrics(self, before: list[dict]) -> dict[str, Any]:
-        """What TLT did in this step's rollout (differences of the slices' engine counters)."""
+        """This process's SD counters of the step's rollout (differences over its slices)."""
         now = [_spec_counters(s.engine.stats) for s in self.slices]
-        spec = sum(a["spec"] - b["spec"] for a, b in zip(now, before, strict=True))
-        plain = sum(a["plain"] - b["plain"] for a, b in zip(now, before, strict=True))
-        out: dict[str, Any] = {
-            "sd_step_share": spec / (spec + plain) if spec + plain else 0.0,
-            "sd_steps": spec,
-            "sd_threshold": self.threshold,
-        }
+        pairs = list(zip(now, before, strict=True))
         sources = sorted({src for c in now for src in c["rows"]})
-        for source in sources:
-            rows = sum(a["rows"].get(source, 0) - b["rows"].get(source, 0)
-                       for a, b in zip(now, before, strict=True))  # fmt: skip
-            tokens = sum(a["tokens"].get(source, 0) - b["tokens"].get(source, 0)
-                         for a, b in zip(now, before, strict=True))  # fmt: skip
-            if rows:
-                out[f"accept_len_{source}"] = tokens / rows
         choices: dict[str, int] = {}
         for s in self.slices:
             for arm, n in s.engine.step_policy.choice_counts().items():
                 choices[arm] = choices.get(arm, 0) + n
-        out["sd_choices"] = choices
-        return out
+        return {
+            "spec": sum(a["spec"] - b["spec"] for a, b in pairs),
+            "plain": sum(a["plain"] - b["plain"] for a, b in pairs),
+            "rows": {k: sum(a["rows"].get(k, 0) - b["rows"].get(k, 0) for a, b in pairs)
+                     for k in sources},
+            "tokens": {k: sum(a["tokens"].get(k, 0) - b["tokens"].get(k, 0) for a, b in pairs)
+                       for k in sources},
+            "choices": choices,
+            "threshold": self.threshold,
+        }  # fmt: skip
 
     def _update(self, minibatches, micro_plan, batches, old_logprobs, ref_logprobs, advantages,
                 responses) -> dict[str, float]:  # fmt: skip
@@ -498,7 +529,8 @@ class Trainer:
             self.precompile()
         while self.step_count < cfg.total_steps:
             record = self.run_step(next(self.iterator))
-            self.writer.write(record)
+            if self.writer is not None:
+                self.writer.write(record)
             records.append(record)
             step = record["step"]
             log.info("step %d: %s", step, _summary(record))
@@ -521,11 +553,13 @@ class Trainer:
             if step % cfg.plot_every == 0 or step == cfg.total_steps:
                 self.plot()
         self.checkpointer.wait()
-        if records and cfg.spot.export and self.online is not None:
+        if records and cfg.spot.export and self.online is not None and self.group.is_primary:
             log.info("drafter exported to %s", self.export_drafter())
         return records
 
     def save(self) -> None:
+        if not self.group.is_primary:
+            return
         bandits = [s.engine.step_policy.state_dict() for s in self.slices]
         extra = {"bandit": bandits[0], "bandits": bandits}
         drafter = None
@@ -551,6 +585,8 @@ class Trainer:
 
     def plot(self) -> list[Path]:
         """Per-step plots, and the last rollout's timeline (running requests, SD shaded)."""
+        if not self.group.is_primary:
+            return []
         out = self.workdir / "plots"
         paths = write_plots(read_metrics(self.workdir), out, cap=self.config.rollout.max_new_tokens)
         if self._last_timeline:
@@ -574,26 +610,14 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpointer.close()
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _spec_counters(stats) -> dict[str, Any]:
     return {"spec": stats.spec_steps, "plain": stats.decode_steps,
             "rows": dict(stats.spec_rows_by_source),
             "tokens": dict(stats.spec_tokens_by_source)}  # fmt: skip
-
-
-def _tail_stats(timelines: list[list], threshold: int) -> dict[str, float]:
-    """`timing.tail_stats` over slice-seconds: each slice's tail counted against its own
-    running requests (what its SD decisions see)."""
-    if len(timelines) == 1:
-        return timing.tail_stats(timelines[0], threshold)
-    parts = [timing.tail_stats(t, threshold) for t in timelines]
-    total = sum(p["rollout_decode_s"] for p in parts)
-    tail = sum(p["long_tail_s"] for p in parts)
-    return {"long_tail_share": tail / total if total > 0 else 0.0, "long_tail_s": tail,
-            "rollout_decode_s": max(p["rollout_decode_s"] for p in parts),
-            "sd_tail_s": sum(p["sd_tail_s"] for p in parts)}  # fmt: skip
 
 
 def _online_drafter(cfg: TrainConfig, target, drafter, hot):

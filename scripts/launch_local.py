@@ -1,0 +1,92 @@
+r"""Runs a command as N JAX processes on this machine (coordinator on localhost).
+
+    python scripts/launch_local.py --num_processes 2 --pin_cores -- \
+        python scripts/train.py --config configs/tiny.py:spot --workdir /tmp/tlt_spot2
+
+Each process gets `TLT_COORDINATOR`, `TLT_NUM_PROCESSES` and `TLT_PROCESS_ID`, which
+`tlt_jax.parallel.distributed.initialize_from_env` hands to `jax.distributed.initialize` (gloo
+collectives on CPU). `--pin_cores` pins process i to core i (`os.sched_setaffinity`), so on a
+2-core CPU an idle process's core is physically idle. On a cluster, start the same command once
+per host with the same variables instead (process ids 0..N-1, the coordinator's host:port).
+
+Output lines are prefixed with the process id. When one process fails, the others are stopped
+and the launcher exits with the failing process's status.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+from absl import app, flags
+
+flags.DEFINE_integer("num_processes", 2, "Processes to start.")
+flags.DEFINE_bool("pin_cores", False, "Pin process i to CPU core i (Linux).")
+flags.DEFINE_integer("port", 0, "Coordinator port on localhost (0: a free one).")
+FLAGS = flags.FLAGS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _relay(index: int, stream) -> None:
+    for line in iter(stream.readline, b""):
+        sys.stdout.write(f"[{index}] {line.decode(errors='replace')}")
+        sys.stdout.flush()
+
+
+def main(argv):
+    command = argv[1:]
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise app.UsageError("give the command after --")
+    cores = sorted(os.sched_getaffinity(0)) if FLAGS.pin_cores else []
+    if FLAGS.pin_cores and FLAGS.num_processes > len(cores):
+        raise app.UsageError(f"--pin_cores with --num_processes={FLAGS.num_processes}: only "
+                             f"{len(cores)} cores are available ({cores})")  # fmt: skip
+    address = f"localhost:{FLAGS.port or _free_port()}"
+    procs, relays = [], []
+    for i in range(FLAGS.num_processes):
+        env = dict(os.environ, TLT_COORDINATOR=address,
+                   TLT_NUM_PROCESSES=str(FLAGS.num_processes), TLT_PROCESS_ID=str(i))  # fmt: skip
+        core = cores[i] if FLAGS.pin_cores else None
+        preexec = (lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, preexec_fn=preexec)  # fmt: skip
+        procs.append(proc)
+        relay = threading.Thread(target=_relay, args=(i, proc.stdout), daemon=True)
+        relay.start()
+        relays.append(relay)
+    status = 0
+    pending = set(range(len(procs)))
+    while pending:
+        for i in list(pending):
+            code = procs[i].poll()
+            if code is None:
+                continue
+            pending.discard(i)
+            if code and not status:
+                status = code
+                print(f"[launch_local] process {i} exited with {code}; stopping the others",
+                      flush=True)  # fmt: skip
+                for j in pending:
+                    procs[j].terminate()
+        if pending:
+            try:
+                procs[min(pending)].wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+    for relay in relays:
+        relay.join(timeout=5)
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    app.run(main)
