@@ -16,10 +16,12 @@ and the launcher exits with the failing process's status.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 from absl import app, flags
 
@@ -39,6 +41,18 @@ def _relay(index: int, stream) -> None:
     for line in iter(stream.readline, b""):
         sys.stdout.write(f"[{index}] {line.decode(errors='replace')}")
         sys.stdout.flush()
+
+
+def _stop(procs, grace_s: float = 10.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def main(argv):
@@ -66,6 +80,15 @@ def main(argv):
         relays.append(relay)
     status = 0
     pending = set(range(len(procs)))
+
+    # Stopping the launcher stops its processes (a JAX process blocked in the coordination
+    # service can outlive SIGTERM: it gets SIGKILL after a grace period).
+    def on_signal(signum, _frame):
+        _stop(procs)
+        sys.exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     while pending:
         for i in list(pending):
             code = procs[i].poll()
@@ -76,8 +99,7 @@ def main(argv):
                 status = code
                 print(f"[launch_local] process {i} exited with {code}; stopping the others",
                       flush=True)  # fmt: skip
-                for j in pending:
-                    procs[j].terminate()
+                _stop([procs[j] for j in pending])
         if pending:
             try:
                 procs[min(pending)].wait(timeout=0.2)

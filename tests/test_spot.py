@@ -203,6 +203,7 @@ def test_spot_training_in_the_rl_loop_is_lossless_checkpointed_and_exported(tmp_
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(exported), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
     assert (tmp_path / "on" / "drafter" / "hot_vocab.json").is_file()
+    assert (tmp_path / "on" / "plots" / "slice_timeline.png").is_file()
     resumed = Trainer(config, tmp_path / "on", progress=False)
     assert resumed.restored_from == 2 and resumed.online.version == 1
     assert resumed.online.steps == on[1]["drafter_steps"]
@@ -210,3 +211,15 @@ def test_spot_training_in_the_rl_loop_is_lossless_checkpointed_and_exported(tmp_
                     strict=True):  # fmt: skip
         np.testing.assert_array_equal(a, np.asarray(b))
     resumed.close()
+
+
+def test_bench_spot_compares_the_same_rollouts_with_spot_training_off_and_on(tmp_path):
+    from tlt_jax.rl.bench_spot import bench_config, bench_spot
+
+    config = bench_config(tiny_config(**{"spot.row_len": 64, "spot.window": 64}), slices=2)
+    assert config.spot.enabled and config.spec.mode == "off"
+    result = bench_spot(config, tmp_path, rounds=2)
+    assert result["tokens_identical"] and result["rounds"] == 2
+    assert len(result["straggler_s_off"]) == len(result["straggler_s_on"]) == 2
+    assert len(result["straggler_slowdown_per_round"]) == 2
+    assert 0 <= result["reclaimed_idle_share"]["max"] <= 1

@@ -308,7 +308,7 @@ class DrafterCheckpointer:
         step = self._manager.latest_step() if step is None else step
         if step is None:
             return None
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(
                 x.shape, x.dtype, sharding=getattr(x, "sharding", None) or default

@@ -234,6 +234,44 @@ def load_timeline(path_json: str | os.PathLike) -> tuple[list[tuple[float, int, 
     return [(float(t), int(n), str(a)) for t, n, a in doc["rows"]], int(doc["threshold"])
 
 
+SLICE_TIMELINE_FILE = "slice_timeline.png"
+_SLICE_COLOURS = {"busy": "tab:blue", "training": "tab:green", "idle": "lightgray",
+                  "update": "tab:orange"}  # fmt: skip
+
+
+def plot_slice_timeline(events: Sequence[Any], path: str | os.PathLike, *,
+                        after_s: float = 0.0, title: str = "step") -> Path:  # fmt: skip
+    """One RL step per rollout slice: decoding, idle, drafter training, then the update.
+
+    Args:
+      events: `tlt_jax.parallel.scheduler.SliceEvent`s (slice, state, start, end) of one
+        rollout, seconds since it started.
+      path: the PNG to write.
+      after_s: seconds of the step after the rollout (reward, log-probs, update, sync), drawn
+        on every slice as "update".
+      title: the plot's title.
+    """
+    plt = _pyplot()
+    slices = sorted({e.slice for e in events})
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(slices) + 1.6))
+    end = max((e.end for e in events), default=0.0)
+    for e in events:
+        ax.barh(e.slice, e.end - e.start, left=e.start, color=_SLICE_COLOURS[e.state],
+                edgecolor="none", label=e.state)  # fmt: skip
+    if after_s > 0:
+        for i in slices:
+            ax.barh(i, after_s, left=end, color=_SLICE_COLOURS["update"], label="update")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), loc="upper center", ncol=4, frameon=False,
+              bbox_to_anchor=(0.5, -0.35 if len(slices) < 3 else -0.15))  # fmt: skip
+    ax.set_yticks(slices, [f"slice {i}" for i in slices])
+    ax.set_xlabel("seconds since the rollout started")
+    ax.set_title(title)
+    ax.invert_yaxis()
+    return _save(fig, path)
+
+
 def plot_length_histogram(lengths: Sequence[int], cap: int | None, path: str | os.PathLike, *,
                           title: str = "response lengths") -> Path:  # fmt: skip
     """Histogram of response lengths with p50, p90 and max marked, and the length cap.

@@ -338,7 +338,7 @@ def load_model(
         raise ValueError(f"checkpoint {path} lacks tensors {sorted(missing)[:5]} (and maybe more)")
     if mesh is None:
         graphdef, abstract_state = transformer_lib.abstract_state(config)
-        device_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         flat_shardings = {p: device_sharding for p, _ in nnx.to_flat_state(abstract_state)}
     else:
         rules = sharding_lib.rules_for(role)

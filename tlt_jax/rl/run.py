@@ -134,23 +134,25 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
     workdir = Path(workdir)
     distributed.initialize_from_env()  # a no-op unless launched as several processes
     trainer = Trainer(cfg, workdir, progress=progress)
+    # Process 0 evaluates and reports (evaluation needs no other process); the others train.
+    primary = trainer.group.is_primary
     try:
-        before = _load_eval(workdir, "before")
-        if before is None and cfg.eval.at_start and cfg.eval.num_problems:
+        before = _load_eval(workdir, "before") if primary else None
+        if primary and before is None and cfg.eval.at_start and cfg.eval.num_problems:
             if trainer.step_count == 0:
                 before = trainer.evaluate()
-                if trainer.group.is_primary:
-                    _save_eval(workdir, "before", before, 0)
+                _save_eval(workdir, "before", before, 0)
                 log.info("accuracy before training: %s", before.summary())
         trainer.train()
         after = None
-        if cfg.eval.at_end and cfg.eval.num_problems:
+        if primary and cfg.eval.at_end and cfg.eval.num_problems:
             after = trainer.evaluate()
-            if trainer.group.is_primary:
-                _save_eval(workdir, "after", after, trainer.step_count)
+            _save_eval(workdir, "after", after, trainer.step_count)
         plots = trainer.plot()
     finally:
         trainer.close()
+    if not primary:
+        return {"steps": trainer.step_count, "process": trainer.group.index}
     records = read_metrics(workdir)
     lines = [f"workdir: {workdir}", f"steps: {trainer.step_count} (config total_steps "
              f"{cfg.total_steps}; resumed from {trainer.restored_from})"]  # fmt: skip

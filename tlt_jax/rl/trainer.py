@@ -16,6 +16,14 @@ pool. Each step's record says what TLT did: the share of decode steps that ran S
 length per draft source, arm choices per batch bucket, and the rollout time spent with at
 most `threshold` requests running (`long_tail_share`).
 
+Rollouts run over `RolloutSlices` (`tlt_jax.rl.rollout_slices`): one engine by default; with
+`spot.slices > 1` or several `jax.distributed` processes, engine replicas on disjoint devices
+decode at once, and with `spot.enabled` the first idle slice trains the online drafter (the
+features of the log-prob recompute fill its buffer) until the last slice is done; the new
+drafter version reaches every slice in the `sync` phase. Across processes the update is
+replicated (every process holds the whole train state), completions are shared through the
+coordination service, and process 0 writes metrics, checkpoints and exports.
+
 Determinism: the request seeds of step k are a function of the run's RNG key (from `seed`,
 checkpointed) and k only, and the data iterator's position is checkpointed, so a run resumed
 from step k's checkpoint repeats the uninterrupted run's steps k + 1, ... exactly (CPU).
@@ -31,22 +39,25 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tlt_jax.checkpointing.manager import RunCheckpointer
 from tlt_jax.data.pipeline import PromptIterator, load_data
 from tlt_jax.data.tokenizer import stop_token_ids
-from tlt_jax.drafter.online import OnlineDrafter
 from tlt_jax.metrics import timing
-from tlt_jax.metrics.plots import TIMELINE_FILE, save_timeline, write_plots
+from tlt_jax.metrics.plots import (
+    SLICE_TIMELINE_FILE,
+    TIMELINE_FILE,
+    plot_slice_timeline,
+    save_timeline,
+    write_plots,
+)
 from tlt_jax.metrics.progress import progress_bar
 from tlt_jax.metrics.writer import MetricsWriter, read_metrics
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.parallel.distributed import ProcessGroup
-from tlt_jax.parallel.scheduler import RolloutSlice, SpotScheduler
 from tlt_jax.programs import ProgramPool, abstract_like
-from tlt_jax.rl import evaluation, packing, policy, spot
+from tlt_jax.rl import evaluation, packing, policy, rollout_slices, spot
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import compute_advantages
 from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
@@ -113,18 +124,7 @@ class Trainer:
         )
         self._eval_examples: list[dict] | None = None
         self.group = ProcessGroup()
-        slice_devices = None
-        if cfg.spot.slices > 1 or self.group.count > 1:  # checked before any model loads
-            if cfg.model.uses_mesh:
-                raise ValueError(f"spot.slices={cfg.spot.slices} with model.mesh_shape="
-                                 f"{cfg.model.mesh_shape}: rollout slices are one device each "
-                                 "in this version; keep model.mesh_shape=(1, 1)")  # fmt: skip
-            if cfg.spot.slices % self.group.count:
-                raise ValueError(f"spot.slices={cfg.spot.slices} must be a multiple of the "
-                                 f"number of processes ({self.group.count}): every process "
-                                 "runs the same number of slices")  # fmt: skip
-            local = cfg.spot.slices // self.group.count
-            slice_devices = spot.split_devices(jax.local_devices(), local)
+        devices = rollout_slices.slice_devices(cfg, self.group)  # before any model loads
 
         self.mesh = policy.build_mesh(cfg.model)
         model = model if model is not None else policy.build_policy(cfg.model, self.mesh)
@@ -136,29 +136,12 @@ class Trainer:
             rules = sharding_lib.rules_for("train")
             context = lambda: sharding_lib.use_sharding(self.mesh, rules)  # noqa: E731
         self.pool = ProgramPool(context)  # the trainer's and slice 0's engine's programs
-        drafter = policy.load_drafter(cfg.spec, model.config)
-        self.online: OnlineDrafter | None = None
-        if cfg.spot.enabled:
-            self.online, drafter = _online_drafter(cfg, model.config, *drafter)
-            self.sinks.append(self.online)
-        build = lambda m, pool: policy.build_engine(cfg, m, pool=pool, drafter=drafter)  # noqa: E731
-        if slice_devices is None:
-            self.engine = build(model, self.pool)
-            devices = tuple(jax.tree.leaves(self.engine.params)[0].devices())
-            self.slices = [RolloutSlice(0, devices, self.engine)]
-        else:
-            self.slices = spot.build_slices(
-                build,
-                model,
-                slice_devices,
-                self.pool,
-                first_index=self.group.index * len(slice_devices),
-            )
-            self.engine = self.slices[0].engine
-        trainable = None
+        self.rollouts = rollout_slices.RolloutSlices(cfg, model, self.pool, self.group, devices)
+        self.online = self.rollouts.online
         if self.online is not None:
-            trainable = spot.SpotTrainer(self.online, cfg.spot.max_steps_per_rl_step)
-        self.scheduler = SpotScheduler(self.slices, trainable)
+            self.sinks.append(self.online)
+        self.engine = self.rollouts.engine
+        self.slices = self.rollouts.slices
         self.graphdef = self.engine.graphdef
         self.reward_fn = resolve_reward_fn(cfg.rl.reward_fn)
         self.sampling = SamplingParams(
@@ -187,8 +170,7 @@ class Trainer:
         restored = self.checkpointer.restore(self.state, drafter_like=drafter_like)
         if restored is not None:
             self.state = restored.state
-            if self.online is not None and restored.drafter is not None:
-                self.online.load_state_dict(restored.extra["drafter"], restored.drafter)
+            self.rollouts.load_drafter(restored.extra, restored.drafter)
             self.iterator.restore(restored.data_position)
             self.restored_from = restored.step
             changed = {k for k, v in cfg.to_dict().items() if restored.config.get(k) != v}
@@ -199,15 +181,10 @@ class Trainer:
         self.threshold = policy.resolve_threshold(
             cfg, self.engine, self.workdir if self.group.is_primary else None
         )
-        bandits = restored.extra.get("bandits") if restored is not None else None
-        if restored is not None and not bandits and restored.extra.get("bandit"):
-            bandits = [restored.extra["bandit"]]
-        for s in self.slices:
-            s.engine.step_policy = policy.build_step_policy(
-                cfg, self.threshold, s.engine.drafter_params is not None, seed_offset=s.index
-            )
-            if bandits and s.index < len(bandits):
-                s.engine.step_policy.load_state_dict(bandits[s.index])
+        self.rollouts.install_step_policies(
+            self.threshold,
+            None if restored is None else rollout_slices.bandit_states(restored.extra),
+        )
         self.step_count = int(jax.device_get(self.state.step))
         self._rng_words = np.asarray(jax.device_get(self.state.rng))
         # Process 0 writes the run's metrics, checkpoints, plots and exports.
@@ -216,6 +193,7 @@ class Trainer:
             self.writer.truncate_after(self.step_count)
         self._nonfinite_streak = 0
         self._last_timeline: list = []
+        self._after_rollout_s = 0.0
 
     # -- compilation ---------------------------------------------------------------------------
 
@@ -292,11 +270,7 @@ class Trainer:
             )  # fmt: skip
         self._programs(self._put(batch))
         self._apply_program()
-        if self.online is not None:  # the drafter step, on every slice that may train it
-            embed = nnx.merge(self.engine.graphdef, self.engine.params).embed.get_value()
-            for s in self.slices:
-                seconds = self.online.precompile(s.devices[0], embed)
-                log.info("compiled the drafter step for slice %d in %.1f s", s.index, seconds)
+        self.rollouts.precompile_drafter()
         report = [{"program": "/".join(map(str, c.key)), "compile_s": round(c.seconds, 2),
                    **c.memory} for c in self.pool.compiled]  # fmt: skip
         for row in report:
@@ -305,7 +279,42 @@ class Trainer:
             (self.workdir / "compile_report.json").write_text(json.dumps(report, indent=1))
         return report
 
+    def precompile_drafter(self) -> None:
+        """Compiles the online drafter's step for every slice that may train it."""
+        self.rollouts.precompile_drafter()
+
     # -- one step ------------------------------------------------------------------------------
+
+    def make_requests(self, examples: list[dict], step: int) -> tuple[list, list[Request]]:
+        """(prompt ids per example, G requests per prompt) of RL step `step`."""
+        cfg, g = self.config, self.config.rl.group_size
+        prompts = [self.encode(ex["question"]) for ex in examples]
+        seeds = rollout_seeds(self._rng_words, step, len(prompts) * g)
+        requests = [Request(prompt, cfg.rollout.max_new_tokens, self.sampling, self.stop_ids,
+                            seed=int(seeds[i * g + j]))
+                    for i, prompt in enumerate(prompts) for j in range(g)]  # fmt: skip
+        return prompts, requests
+
+    def rollout(self, requests: list[Request], step: int, *, spot: bool = True):
+        """`RolloutSlices.rollout`: (completions in request order, every process's stats)."""
+        completions, stats = self.rollouts.rollout(requests, step, spot=spot,
+                                                   progress=self.progress)  # fmt: skip
+        self._last_timeline = self.rollouts.last_timeline
+        return completions, stats
+
+    def recompute_features(self, prompts, completions, step: int) -> None:
+        """The log-prob recompute's forward over every sequence, its features to the sinks
+        only (what `run_step` hands the drafter buffer, without the update)."""
+        responses = [c.token_ids for c in completions]
+        groups = np.ones((len(prompts),), bool)
+        _, plan = packing.micro_batches(self.config.rl, self.config.rollout, prompts, responses,
+                                        groups, include_silent=True)  # fmt: skip
+        for micro in (m for micros in plan for m in micros):
+            batch = self._put(micro.batch)
+            _, features = self._programs(batch)[0](self.state.params, batch)
+            tokens, feats, response_mask, valid = micro.sink_rows(features)
+            for sink in self.sinks:
+                sink.add(tokens, feats, response_mask, step, valid_mask=valid)
 
     def run_step(self, examples: list[dict]) -> dict[str, Any]:
         """One RL step on a batch of prompts; returns its metrics record."""
@@ -313,30 +322,9 @@ class Trainer:
         timer = timing.PhaseTimer()
         step = self.step_count + 1
         compiles_before, compile_s_before = self._compiles()
-        prompts = [self.encode(ex["question"]) for ex in examples]
-        seeds = rollout_seeds(self._rng_words, step, len(prompts) * g)
-        requests = [Request(prompt, cfg.rollout.max_new_tokens, self.sampling, self.stop_ids,
-                            seed=int(seeds[i * g + j]))
-                    for i, prompt in enumerate(prompts) for j in range(g)]  # fmt: skip
-
-        spec_before = [_spec_counters(s.engine.stats) for s in self.slices]
-        first = self.slices[0].index  # this process's slices among the run's
-        indices = spot.split_groups(requests, g, cfg.spot.slices)[first : first + len(self.slices)]
+        prompts, requests = self.make_requests(examples, step)
         with timer.phase("rollout"):
-            per_slice, spot_report = self.scheduler.rollout(
-                [[requests[i] for i in idx] for idx in indices], progress=self.progress,
-                group=self.group, step=step,
-            )  # fmt: skip
-            completions = spot.gather_completions(self.group, step, per_slice, indices,
-                                                  len(requests))  # fmt: skip
-        # Copies: evaluate()'s generate clears the engines' timelines.
-        timelines = [list(s.engine.stats.timeline) for s in self.slices]
-        self._last_timeline = timelines[0]
-        rollout_stats = self.group.allgather(f"rollout_stats/{step}", {
-            "tail": [timing.tail_stats(t, self.threshold) for t in timelines],
-            "spec": self._spec_metrics(spec_before),
-            "spot": spot_report.metrics(),
-        })  # fmt: skip
+            completions, rollout_stats = self.rollout(requests, step)
         with timer.phase("reward"):
             texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                      for c in completions]  # fmt: skip
@@ -379,16 +367,8 @@ class Trainer:
                                   advantages, responses)  # fmt: skip
         with timer.phase("sync"):
             self.sync_weights()
-            drafter_metrics = {}
-            if self.online is not None:  # the version trained during this rollout
-                if self.group.count > 1:
-                    spot.sync_drafter_across(self.group, step, self.online)
-                drafter_metrics = spot.publish_drafter(self.online, self.slices)
-            if self.group.count > 1:
-                drafter_metrics["processes_in_sync"] = spot.processes_in_sync(
-                    self.group, step, self.state.params,
-                    None if self.online is None else self.online.params(),
-                )  # fmt: skip
+            # The drafter version trained during this rollout reaches every slice.
+            drafter_metrics = self.rollouts.end_step(step, self.state.params)
         self.state = self.state.replace(step=self.state.step + 1)
         self.step_count = step
         for key, logprobs in old_logprobs.items():
@@ -398,6 +378,7 @@ class Trainer:
                 step_lib.logprob_gap(micro.per_response(np.asarray(logprobs)), engine_lp)
             )
 
+        self._after_rollout_s = sum(v for k, v in timer.seconds.items() if k != "rollout")
         lengths = [len(c.token_ids) for c in completions]
         generated = int(sum(lengths))
         rollout_s = timer.seconds["rollout"]
@@ -428,29 +409,8 @@ class Trainer:
 
     def _compiles(self) -> tuple[int, float]:
         """Programs compiled so far and their seconds: the trainer's and every engine's."""
-        engines = [s.engine.stats for s in self.slices]
-        return (self.pool.compile_count + sum(e.compile_count for e in engines),
-                self.pool.compile_seconds + sum(e.compile_seconds for e in engines))  # fmt: skip
-
-    def _spec_metrics(self, before: list[dict]) -> dict[str, Any]:
-        """This process's SD counters of the step's rollout (differences over its slices)."""
-        now = [_spec_counters(s.engine.stats) for s in self.slices]
-        pairs = list(zip(now, before, strict=True))
-        sources = sorted({src for c in now for src in c["rows"]})
-        choices: dict[str, int] = {}
-        for s in self.slices:
-            for arm, n in s.engine.step_policy.choice_counts().items():
-                choices[arm] = choices.get(arm, 0) + n
-        return {
-            "spec": sum(a["spec"] - b["spec"] for a, b in pairs),
-            "plain": sum(a["plain"] - b["plain"] for a, b in pairs),
-            "rows": {k: sum(a["rows"].get(k, 0) - b["rows"].get(k, 0) for a, b in pairs)
-                     for k in sources},
-            "tokens": {k: sum(a["tokens"].get(k, 0) - b["tokens"].get(k, 0) for a, b in pairs)
-                       for k in sources},
-            "choices": choices,
-            "threshold": self.threshold,
-        }  # fmt: skip
+        count, seconds = self.rollouts.compiles()
+        return self.pool.compile_count + count, self.pool.compile_seconds + seconds
 
     def _update(self, minibatches, micro_plan, batches, old_logprobs, ref_logprobs, advantages,
                 responses) -> dict[str, float]:  # fmt: skip
@@ -505,14 +465,7 @@ class Trainer:
     def sync_weights(self) -> None:
         """Pushes the train params into every slice's engine (checked: structure, shape, dtype,
         sharding); the drafter too, when it trains online."""
-        if len(self.slices) == 1:
-            params = self._to_rollout(self.state.params)
-            jax.block_until_ready(params)
-            self.engine.update_params(params)
-        else:
-            spot.sync_policy(self.state.params, self.slices)
-        if self.online is not None:
-            spot.push_drafter(self.online, self.slices)
+        self.rollouts.sync_policy(self.state.params, self._to_rollout)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -560,28 +513,13 @@ class Trainer:
     def save(self) -> None:
         if not self.group.is_primary:
             return
-        bandits = [s.engine.step_policy.state_dict() for s in self.slices]
-        extra = {"bandit": bandits[0], "bandits": bandits}
-        drafter = None
-        if self.online is not None:
-            extra["drafter"] = self.online.state_dict()
-            drafter = self.online.state
+        extra, drafter = self.rollouts.state_dict()
         self.checkpointer.save(self.step_count, self.state, self.iterator.state(),
                                self.config.to_dict(), extra, drafter=drafter)  # fmt: skip
 
     def export_drafter(self) -> Path | None:
-        """Writes the online drafter as an HF-EAGLE directory (`workdir/drafter`, with its
-        `hot_vocab.json`) that `generate.py --drafter` and `spec.drafter` load."""
-        if self.online is None:
-            return None
-        from tlt_jax.drafter.export import export_eagle
-        from tlt_jax.drafter.hot_vocab import save_hot_vocab
-
-        out = export_eagle(self.online.params(), self.engine.model_config,
-                           self.workdir / "drafter")  # fmt: skip
-        if self.online.token_counts.any():
-            save_hot_vocab(out, self.online.token_counts)
-        return out
+        """The online drafter as an HF-EAGLE directory (`workdir/drafter`); None without one."""
+        return self.rollouts.export_drafter(self.workdir)
 
     def plot(self) -> list[Path]:
         """Per-step plots, and the last rollout's timeline (running requests, SD shaded)."""
@@ -592,6 +530,12 @@ class Trainer:
         if self._last_timeline:
             paths += save_timeline(self._last_timeline, self.threshold, out / TIMELINE_FILE,
                                    title=f"step {self.step_count} rollout")  # fmt: skip
+        report = self.rollouts.last_report
+        if report is not None and len(report.finish_s) > 1:  # this process's slices
+            paths.append(plot_slice_timeline(
+                report.events, out / SLICE_TIMELINE_FILE, after_s=self._after_rollout_s,
+                title=f"step {self.step_count}: decode / idle / drafter training / update",
+            ))  # fmt: skip
         return paths
 
     def evaluate(self, num_problems: int | None = None) -> evaluation.EvalResult:
@@ -612,27 +556,6 @@ class Trainer:
         self.checkpointer.close()
         if self.writer is not None:
             self.writer.close()
-
-
-def _spec_counters(stats) -> dict[str, Any]:
-    return {"spec": stats.spec_steps, "plain": stats.decode_steps,
-            "rows": dict(stats.spec_rows_by_source),
-            "tokens": dict(stats.spec_tokens_by_source)}  # fmt: skip
-
-
-def _online_drafter(cfg: TrainConfig, target, drafter, hot):
-    """The online drafter (warm from `spec.drafter` when set, else a random init) and the
-    engines' `(Drafter, hot ids)`."""
-    from tlt_jax.models.drafter import drafter_from_params
-
-    hot_vocab = cfg.spec.hot_vocab if cfg.spec.hot_vocab < target.vocab_size else 0
-    online = OnlineDrafter(
-        target, cfg.spot.train_config(), hot_vocab=hot_vocab, seed=cfg.seed,
-        params=None if drafter is None else drafter.params_dict(),
-    )  # fmt: skip
-    if hot is not None and hot_vocab and len(hot) == hot_vocab:
-        online.hot_ids = np.asarray(hot, np.int32)
-    return online, (drafter_from_params(target, online.params()), online.hot_ids)
 
 
 def _summary(record: dict[str, Any]) -> str:

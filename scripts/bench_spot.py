@@ -1,0 +1,58 @@
+r"""Spot drafter training on the idle slice: straggler slowdown and reclaimed idle time.
+
+    python scripts/launch_local.py --num_processes 2 --pin_cores -- \
+        python scripts/bench_spot.py --output_json /tmp/bench_spot.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python scripts/bench_spot.py \
+        --config configs/tiny.py --rounds 2 --output_json /tmp/bench_spot_tiny.json
+
+The config's rollout on `--slices` slices (one per process under `launch_local.py`), spot
+training off and on side by side, alternating, `--rounds` times, plain decoding on both sides
+(`tlt_jax/rl/bench_spot.py`). Process 0 prints the command and writes the JSON.
+"""
+
+import json
+import sys
+import tempfile
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
+)
+flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
+flags.DEFINE_integer("rounds", 3, "Rollouts per side (alternating which side goes first).")
+flags.DEFINE_integer("slices", 2, "Rollout slices in all (a multiple of the processes).")
+flags.DEFINE_string("workdir", None, "Scratch directory (default: a temporary one).")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    from tlt_jax.parallel import distributed
+
+    distributed.initialize_from_env()
+    import jax
+
+    from tlt_jax.rl.bench_spot import bench_config, bench_spot
+    from tlt_jax.rl.config import TrainConfig
+
+    command = "python " + " ".join(sys.argv)
+    primary = jax.process_index() == 0
+    if primary:
+        print(command, flush=True)
+    config = bench_config(TrainConfig.from_config_dict(FLAGS.config), FLAGS.slices)
+    workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="tlt_bench_spot_")
+    result = bench_spot(config, f"{workdir}/{jax.process_index()}", rounds=FLAGS.rounds)
+    result["command"] = command
+    if primary:
+        with open(FLAGS.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
