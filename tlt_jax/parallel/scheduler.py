@@ -239,15 +239,18 @@ class SpotScheduler:
             t.join()
         for s in self.slices:
             s.state = SliceState.IDLE
+        # Every slice is back at the step boundary once the trainer stopped.
+        boundary = max(report.rollout_s, train_span[1])
         for i, t in enumerate(finish):
-            report.events.append(SliceEvent(i, "busy", 0.0, t))
+            name = self.slices[i].index
+            report.events.append(SliceEvent(name, "busy", 0.0, t))
             if i == report.trainer_slice:
-                report.events.append(SliceEvent(i, "training", train_span[0], train_span[1]))
-                tail = (train_span[1], report.rollout_s)
+                report.events.append(SliceEvent(name, "training", *train_span))
+                tail = (train_span[1], boundary)
             else:
-                tail = (t, report.rollout_s)
+                tail = (t, boundary)
             if tail[1] > tail[0]:
-                report.events.append(SliceEvent(i, "idle", *tail))
+                report.events.append(SliceEvent(name, "idle", *tail))
         failed = [e for e in errors if e is not None]
         if failed:
             raise failed[0]
