@@ -1,4 +1,6 @@
-"""The whole TLT path as two JAX processes (jax.distributed, gloo on CPU) vs one process."""
+"""The whole TLT path as two JAX processes (jax.distributed, gloo on CPU) vs one process:
+rollout slices one per process, spot training, the drafter's and the data-parallel update's
+collectives, process 0 writing."""
 
 import json
 import os
@@ -15,8 +17,11 @@ STEPS = 3
 # Plain rollouts: SD at temperature > 0 is lossless in distribution, but which tokens it samples
 # depends on the bandit's (timing-driven) arm choices, so only plain rollouts sample the same
 # tokens in two runs. Spot training, the drafter's cross-process sync and export all still run.
+# A dense reward, so every group has signal and the data-parallel update has gradients to sum.
+REWARD = "rl_testing:mean_byte_reward"
 OVERRIDES = [f"--config.total_steps={STEPS}", "--config.eval.num_problems=0",
-             "--config.checkpoint_every=2", "--config.spec.mode=off"]  # fmt: skip
+             "--config.checkpoint_every=2", "--config.spec.mode=off",
+             f"--config.rl.reward_fn={REWARD}"]  # fmt: skip
 
 
 def _records(workdir):
@@ -26,6 +31,8 @@ def _records(workdir):
 def test_two_processes_run_tlt_in_sync_and_match_one_process(tmp_path):
     workdir = tmp_path / "two"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device per process
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"),
+                                                      env.get("PYTHONPATH")]))  # fmt: skip
     command = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num_processes", "2",
                "--pin_cores", "--", sys.executable, str(REPO / "scripts" / "train.py"),
                f"--config={REPO / 'configs' / 'tiny.py'}:tlt", f"--workdir={workdir}",
@@ -41,18 +48,21 @@ def test_two_processes_run_tlt_in_sync_and_match_one_process(tmp_path):
     assert (workdir / "drafter" / "model.safetensors").is_file()
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "3"]
 
+    assert all(r["micro_batches_trained"] >= 2 and r["loss"] != 0 for r in two)
     # The same config in one process (two of the test session's fake devices): rollouts use
     # per-request seeds, so the sampled tokens, rewards and the update are the same math
     # (the drafter's steps are not: how many fit in an idle window is a matter of timing).
     config = load_config_dict("tiny", "tlt")
     config.total_steps, config.eval.num_problems, config.checkpoint_every = STEPS, 0, 2
     config.spec.mode = "off"
+    config.rl.reward_fn = REWARD
     trainer = Trainer(TrainConfig.from_config_dict(config), tmp_path / "one", progress=False)
     one = trainer.train()
     trainer.close()
     for a, b in zip(one, two, strict=True):
         assert a["response_lengths"] == b["response_lengths"]
-        for key in ("reward_mean", "accuracy", "groups_with_signal"):
+        for key in ("reward_mean", "accuracy", "groups_with_signal", "micro_batches_trained",
+                    "update_tokens_computed"):  # fmt: skip
             assert a[key] == b[key], key
         for key in ("loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

@@ -8,7 +8,8 @@ are gloo's.
 `ProcessGroup` is what the trainer and the spot scheduler use across processes, all of it
 JAX's own runtime: the coordination service's key-value store for small host values (a claim
 that only the first caller wins, completions, counters; JSON) and barriers, and
-`multihost_utils.broadcast_one_to_all` (a collective) for arrays. With one process every call
+`multihost_utils.broadcast_one_to_all` and a jitted sum over a one-device-per-process mesh
+(collectives) for arrays. With one process every call
 is local and free.
 """
 
@@ -19,6 +20,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 ENV_COORDINATOR = "TLT_COORDINATOR"
 ENV_NUM_PROCESSES = "TLT_NUM_PROCESSES"
@@ -60,6 +62,7 @@ class ProcessGroup:
         self.count = jax.process_count()
         self.namespace = namespace
         self._local: dict[str, str] = {}
+        self._reduce = None  # (sharding, program, device) of `allreduce_sum`
 
     @property
     def is_primary(self) -> bool:
@@ -127,6 +130,32 @@ class ProcessGroup:
     def barrier(self, name: str, timeout_ms: int = TIMEOUT_MS) -> None:
         if self.count > 1:
             self._client.wait_at_barrier(self._key(name), timeout_ms)
+
+    def allreduce_sum(self, tree: Any) -> Any:
+        """The element-wise sum of every process's `tree` (arrays on this process's first
+        local device), on every process, placed like the input (a gloo all-reduce on CPU)."""
+        if self.count == 1:
+            return tree
+        if self._reduce is None:
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+            firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                      for p in range(self.count)]  # fmt: skip
+            mesh = Mesh(np.array(firsts), ("processes",))
+            split = NamedSharding(mesh, PartitionSpec("processes"))
+            whole = NamedSharding(mesh, PartitionSpec())
+            total = jax.jit(lambda t: jax.tree.map(lambda a: a.sum(0), t), out_shardings=whole)
+            self._reduce = (split, total, firsts[self.index])
+        split, total, device = self._reduce
+
+        def stacked(x):
+            local = jax.device_put(x, device)[None]
+            return jax.make_array_from_single_device_arrays((self.count, *x.shape), split,
+                                                            [local])  # fmt: skip
+
+        summed = total(jax.tree.map(stacked, tree))
+        return jax.tree.map(lambda a, x: jax.device_put(a.addressable_data(0), x.sharding),
+                            summed, tree)  # fmt: skip
 
     def broadcast(self, tree: Any, source: int) -> Any:
         """`tree` as process `source` holds it, on every process (host numpy arrays)."""

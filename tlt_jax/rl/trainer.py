@@ -20,9 +20,10 @@ Rollouts run over `RolloutSlices` (`tlt_jax.rl.rollout_slices`): one engine by d
 `spot.slices > 1` or several `jax.distributed` processes, engine replicas on disjoint devices
 decode at once, and with `spot.enabled` the first idle slice trains the online drafter (the
 features of the log-prob recompute fill its buffer) until the last slice is done; the new
-drafter version reaches every slice in the `sync` phase. Across processes the update is
-replicated (every process holds the whole train state), completions are shared through the
-coordination service, and process 0 writes metrics, checkpoints and exports.
+drafter version reaches every slice in the `sync` phase. Across processes completions are
+shared through the coordination service, the update is data-parallel (micro-batches dealt
+round-robin, accumulators all-reduced; every process holds the whole train state), and
+process 0 writes metrics, checkpoints and exports.
 
 Determinism: the request seeds of step k are a function of the run's RNG key (from `seed`,
 checkpointed) and k only, and the data iterator's position is checkpointed, so a run resumed
@@ -419,8 +420,15 @@ class Trainer:
         Each token's loss weight is its aggregation weight over the whole mini-batch (silent
         groups count in the denominators even when their micro-batches are skipped), so the
         accumulated loss is the mini-batch's `policy_loss` exactly, in either layout.
+
+        Across processes the update is data-parallel: the trained micro-batches of the step
+        are dealt round-robin over the processes, each accumulates its own, and the
+        accumulators are summed (an all-reduce) before every optimizer step, so every process
+        applies the same update (only the order of the float sums differs from one process).
         """
         cfg, g = self.config, self.config.rl.group_size
+        group = self.group
+        dealt = 0  # trained micro-batches so far, dealt round-robin over the processes
         apply = self._apply_program()
         advantages = np.asarray(advantages, np.float32).reshape(-1)
         totals: dict[str, float] = {}
@@ -437,6 +445,9 @@ class Trainer:
                     # An all-zero-advantage micro-batch has exactly zero policy gradient.
                     if not (cfg.rl.algorithm.kl_coef > 0 or micro.trained):
                         continue
+                    dealt += 1
+                    if (dealt - 1) % group.count != group.index:
+                        continue
                     key = (i, j)
                     ref = ref_logprobs.get(key)
                     if ref is None:
@@ -449,11 +460,16 @@ class Trainer:
                     trained += 1
                     computed += micro.computed
                     needed += micro.needed
+                accum = group.allreduce_sum(accum)  # one process: a no-op
                 # The update is dispatched before any metric is read back.
                 self.state, applied = apply(self.state, accum)
                 sums = jax.device_get({k: accum[k] for k in step_lib.ACCUMULATED_METRICS})
                 step_lib.add_minibatch_metrics(totals, sums, jax.device_get(applied),
                                                len(micro_plan))  # fmt: skip
+        if group.count > 1:
+            counts = group.allgather(f"update_counts/{self.step_count + 1}",
+                                     [trained, computed, needed])  # fmt: skip
+            trained, computed, needed = (sum(c[k] for c in counts) for k in range(3))
         # Token positions the gradient programs computed that were not real prompt or
         # response tokens (each group's prompt counted once per micro-batch it is in).
         totals["update_padding_share"] = 1.0 - needed / computed if computed else 0.0
