@@ -15,7 +15,7 @@ from tlt_jax.rl import policy
 from tlt_jax.rl.config import ModelSettings, TrainConfig, default_config_dict
 from tlt_jax.rl.trainer import Trainer
 
-CONFIGS = [("tiny", None), ("smollm2_arith", None), ("smollm2_arith", "smoke"),
+CONFIGS = [("tiny", None), ("tiny", "tlt"), ("smollm2_arith", None), ("smollm2_arith", "smoke"),
            ("smollm2_arith", "quick"),
            ("smollm2_gsm8k", None), ("qwen2_5_7b_gsm8k", None),
            ("ds_r1_distill_qwen_7b_math", None)]  # fmt: skip
