@@ -27,6 +27,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from tlt_jax.programs import abstract_like
+
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
@@ -124,7 +126,7 @@ class RunCheckpointer:
     def _target(self, like):
         if self._process_local:  # restored as host arrays, then placed like `like`
             return jax.tree.map(lambda x: np.empty(x.shape, x.dtype), like)
-        return _abstract(like)
+        return abstract_like(like)
 
     def _placed(self, tree, like):
         if not self._process_local:
@@ -138,10 +140,3 @@ class RunCheckpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
-
-
-def _abstract(tree):
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        tree,
-    )

@@ -169,11 +169,9 @@ class OnlineDrafter:
         with self._lock:
             state = jax.device_put(self.state, device)
             embed = jax.device_put(embed_VxD, device)
-            head = head_DxV
-            if self.hot_ids is not None:
-                head = jnp.take(jax.device_put(head_DxV, device),
-                                jax.device_put(self.hot_ids, device), axis=1)  # fmt: skip
-            head = jax.device_put(head, device)
+            head = jax.device_put(head_DxV, device)
+            if self.hot_ids is not None:  # the columns the engines draft with
+                head = jnp.take(head, jax.device_put(self.hot_ids, device), axis=1)
             done = 0
             while not stop.is_set() and (max_steps == 0 or done < max_steps):
                 batch = self.buffer.sample_batch(self._rng, self.config.batch_rows,

@@ -97,12 +97,9 @@ class ProcessGroup:
         """The process that claimed `key`, or None (read after a `barrier` to agree on it)."""
         if self.count == 1:
             return 0 if key in self._local else None
-        value = self._client.key_value_try_get(self._key(key)) if self._has(key) else None
-        return None if value is None else int(value)
-
-    def _has(self, key: str) -> bool:
-        entries = self._client.key_value_dir_get(self._key(key).rsplit("/", 1)[0] + "/")
-        return any(k == self._key(key) for k, _ in entries)
+        full = self._key(key)
+        entries = self._client.key_value_dir_get(full.rsplit("/", 1)[0] + "/")
+        return next((int(v) for k, v in entries if k == full), None)
 
     def set(self, key: str, value: Any) -> None:
         """Publishes a JSON value under `key` for this process (`key/<index>`)."""

@@ -58,7 +58,7 @@ def bench_spot(config: TrainConfig, workdir: str | Path, *, rounds: int = 3) -> 
         prompts, requests = trainer.make_requests(examples, step=1)
         completions, _ = trainer.rollout(requests, step=1, spot=False)
         trainer.recompute_features(prompts, completions, step=1)
-        trainer.precompile_drafter()
+        trainer.rollouts.precompile_drafter()
         sides: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
         tokens: dict[str, list] = {}
         key = 1

@@ -174,15 +174,13 @@ class RolloutSlices:
     # -- the step boundary -----------------------------------------------------------------
 
     def sync_policy(self, train_params, to_rollout) -> None:
-        """The train params into every slice's engine (checked), the drafter's too."""
+        """The train params into every slice's engine (checked)."""
         if len(self.slices) == 1 and self.group.count == 1:
             params = to_rollout(train_params)
             jax.block_until_ready(params)
             self.engine.update_params(params)
         else:
             spot_lib.sync_policy(train_params, self.slices)
-        if self.online is not None:
-            spot_lib.push_drafter(self.online, self.slices)
 
     def end_step(self, step: int, train_params) -> dict[str, Any]:
         """Publishes the drafter version trained during this step's rollout (from the process
@@ -213,8 +211,10 @@ class RolloutSlices:
         return extra, self.online.state
 
     def load_drafter(self, extra: dict[str, Any], drafter_state) -> None:
+        """Restores the online drafter from a checkpoint and hands it to every slice."""
         if self.online is not None and drafter_state is not None:
             self.online.load_state_dict(extra["drafter"], drafter_state)
+            spot_lib.push_drafter(self.online, self.slices)
 
     def export_drafter(self, workdir: Path) -> Path | None:
         """Writes the online drafter as an HF-EAGLE directory (`workdir/drafter`, with its

@@ -263,19 +263,23 @@ def sync_policy(params, slices: Sequence[RolloutSlice]) -> None:
         s.engine.update_params(_like(params, s.engine.params))
 
 
-def push_drafter(online: OnlineDrafter, slices: Sequence[RolloutSlice]) -> None:
-    """The drafter's current params and hot vocabulary into every slice's engine (checked)."""
-    params = online.params()
+def push_drafter(online: OnlineDrafter, slices: Sequence[RolloutSlice], *,
+                 params: bool = True) -> None:  # fmt: skip
+    """The drafter's hot vocabulary, and its current params unless `params=False`, into every
+    slice's engine (checked)."""
     for s in slices:
-        s.engine.update_drafter_params(_like(params, s.engine.drafter_params))
+        if params:
+            s.engine.update_drafter_params(_like(online.params(), s.engine.drafter_params))
         if online.hot_ids is not None:
             s.engine.set_hot_token_ids(online.hot_ids)
 
 
 def publish_drafter(online: OnlineDrafter, slices: Sequence[RolloutSlice]) -> dict[str, Any]:
-    """Ends the drafter's window: the new version and hot vocabulary reach every slice."""
+    """Ends the drafter's window: the hot vocabulary, and the params when there is a new
+    version, reach every slice."""
+    version = online.version
     metrics = online.publish()
-    push_drafter(online, slices)
+    push_drafter(online, slices, params=online.version != version)
     return metrics
 
 

@@ -280,10 +280,6 @@ class Trainer:
             (self.workdir / "compile_report.json").write_text(json.dumps(report, indent=1))
         return report
 
-    def precompile_drafter(self) -> None:
-        """Compiles the online drafter's step for every slice that may train it."""
-        self.rollouts.precompile_drafter()
-
     # -- one step ------------------------------------------------------------------------------
 
     def make_requests(self, examples: list[dict], step: int) -> tuple[list, list[Request]]:
@@ -380,6 +376,7 @@ class Trainer:
             )
 
         self._after_rollout_s = sum(v for k, v in timer.seconds.items() if k != "rollout")
+        compiles_after, compile_s_after = self._compiles()
         lengths = [len(c.token_ids) for c in completions]
         generated = int(sum(lengths))
         rollout_s = timer.seconds["rollout"]
@@ -402,8 +399,8 @@ class Trainer:
             "reward_errors": scored.num_errors,
             "reward_timeouts": scored.num_timeouts,
             **timer.metrics(),
-            "compile_count": self._compiles()[0] - compiles_before,
-            "compile_s": self._compiles()[1] - compile_s_before,
+            "compile_count": compiles_after - compiles_before,
+            "compile_s": compile_s_after - compile_s_before,
             "response_lengths": lengths,
         }  # fmt: skip
         return record
@@ -480,7 +477,7 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Pushes the train params into every slice's engine (checked: structure, shape, dtype,
-        sharding); the drafter too, when it trains online."""
+        sharding); the online drafter goes at the step's end (`RolloutSlices.end_step`)."""
         self.rollouts.sync_policy(self.state.params, self._to_rollout)
 
     # -- the loop ------------------------------------------------------------------------------
