@@ -212,3 +212,37 @@ def test_a_group_shares_its_prompt_prefill_and_keeps_its_own_samples(model):
         assert completion.token_ids == want.token_ids
         np.testing.assert_allclose(completion.logprobs, want.logprobs, atol=1e-5)
     assert len({tuple(c.token_ids) for c in got[:6]}) > 1  # the group's samples differ
+
+
+def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model):
+    """A policy on a mesh gets a decode state sharded like it (slots over data, cache heads over
+    tensor), kept through prefill, plain and SD steps and across calls; tokens as unsharded."""
+    from flax import nnx
+
+    from tlt_jax.models.drafter import init_drafter
+    from tlt_jax.parallel import sharding
+    from tlt_jax.rollout.adaptive import FixedPolicy, StepChoice
+
+    mesh = sharding.make_mesh((2, 2))
+    graphdef, state = nnx.split(model)
+    rules = sharding.rules_for("rollout")
+    sharded = nnx.merge(
+        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
+    )
+    drafter = init_drafter(model.config, 3)
+    config = EngineConfig(max_batch_size=4, max_seq_len=128, max_prefill_batch=2,
+                          min_kv_bucket=32)  # fmt: skip
+    policy = FixedPolicy(StepChoice("2,2,4", "eagle"), max_batch=2)
+    engines = [RolloutEngine(m, config, drafter=drafter, step_policy=policy)
+               for m in (model, sharded)]  # fmt: skip
+    want = engine_lib.decode_state_shardings(engines[1].state, mesh, rules)
+    assert engines[1].state.cache.k.sharding.spec == want.cache.k.spec
+    assert want.cache.k.spec == jax.sharding.PartitionSpec(None, "data", None, "tensor", None)
+    requests = random_requests(np.random.default_rng(4), 6)
+    for _ in range(2):  # the second call reuses every program on the state the first left
+        outs = [[c.token_ids for c in e.generate(requests)] for e in engines]
+        assert outs[0] == outs[1]
+        for got, expected in zip(jax.tree.leaves(engines[1].state), jax.tree.leaves(want),
+                                 strict=True):  # fmt: skip
+            assert got.sharding.is_equivalent_to(expected, got.ndim)
+    assert engines[1].stats.spec_steps > 0

@@ -97,7 +97,7 @@ def run_sd(model, drafter, prompts, strategy, min_tokens, *, sampling=None, seed
                   greedy_only=greedy, residual=residual)  # fmt: skip
     dparams = drafter.params_dict()
     state = engine_lib.DecodeState.create(model.config, b, kv_len, config)
-    prefill = _jit(engine_lib._prefill, graphdef, greedy_only=True, drafter_config=config)
+    prefill = _jit(engine_lib.prefill_program, graphdef, greedy_only=True, drafter_config=config)
     state, first, _ = prefill(
         params, dparams, state, tokens, lens, np.arange(b, dtype=np.int32),
         np.arange(b, dtype=np.int32), zeros, zeros.astype(np.int32), zeros + 1, seeds,
@@ -340,8 +340,8 @@ def _plain_steps(model, drafter, *, eager: bool, steps: int = 7):
     prompts = random_prompts(8, model.config.vocab_size, seed=5)
     _, _, _, state = run_sd(model, drafter, prompts, SpecStrategy(3, 2, 5), 0)
     start = np.asarray(state.lengths)
-    decode = jax.jit(functools.partial(engine_lib._decode, graphdef, batch=8, kv_len=KV_LEN,
-                                       greedy_only=True,
+    decode = jax.jit(functools.partial(engine_lib.decode_program, graphdef, batch=8,
+                                       kv_len=KV_LEN, greedy_only=True,
                                        drafter_config=drafter.config))  # fmt: skip
     dparams = drafter.params_dict() if eager else None
     tokens = [np.asarray(state.last_token)]

@@ -40,6 +40,7 @@ from flax import nnx, struct
 
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import KVCache, Transformer, write_kv
+from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.programs import ProgramPool
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.adaptive import FixedPolicy, PlainPolicy, StepChoice, StepPolicy, arm_name
@@ -219,6 +220,30 @@ class DecodeState:
         )
 
 
+# Logical axes of the decode state's arrays by rank: caches [L, B, S, K, H], the drafter's
+# features [B, D], per-slot scalars [B] (typed PRNG keys included).
+_STATE_AXES = {5: ("layers", "batch", "kv_length", "kv_heads", "head_dim"),
+               2: ("batch", "embed"), 1: ("batch",)}  # fmt: skip
+
+
+def decode_state_shardings(state: DecodeState, mesh, rules) -> DecodeState:
+    """`NamedSharding`s of a decode state (arrays or `ShapeDtypeStruct`s) on `mesh`: slots over
+    the rules' batch axes, cache heads like the policy's kv heads (so each tensor-parallel
+    device holds the K/V of its own heads), features like its activations."""
+    return jax.tree.map(
+        lambda x: sharding_lib.named_sharding(x.shape, _STATE_AXES[len(x.shape)], mesh, rules),
+        state,
+    )
+
+
+def params_mesh(params) -> jax.sharding.Mesh | None:
+    """The mesh of params placed with `NamedSharding`s over more than one device, else None."""
+    shardings = {getattr(x, "sharding", None) for x in jax.tree.leaves(params)}
+    meshes = {s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)}
+    mesh = next(iter(meshes), None) if len(meshes) == 1 else None
+    return mesh if mesh is not None and mesh.size > 1 else None
+
+
 def _step_keys(keys_B: jax.Array, positions_B: jax.Array) -> jax.Array:
     # A request's randomness depends only on its seed and position, not on its batch-mates.
     return jax.vmap(jax.random.fold_in)(keys_B, positions_B)
@@ -227,9 +252,9 @@ def _step_keys(keys_B: jax.Array, positions_B: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- programs
 
 
-def _prefill(graphdef, params, drafter_params, state: DecodeState, tokens_UxP, prompt_lens_U,
-             rows_B, slots_B, temperature_B, top_k_B, top_p_B, seeds_B, *, greedy_only: bool,
-             drafter_config=None):  # fmt: skip
+def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens_UxP,
+                    prompt_lens_U, rows_B, slots_B, temperature_B, top_k_B, top_p_B, seeds_B, *,
+                    greedy_only: bool, drafter_config=None):  # fmt: skip
     """Runs U distinct prompts (right-padded) once and writes each into the slots that share it.
 
     Prefix sharing: the requests of a GRPO group have one prompt; slot b takes prompt row
@@ -278,9 +303,9 @@ def _prefill(graphdef, params, drafter_params, state: DecodeState, tokens_UxP, p
     return state, tokens, logprobs
 
 
-def _decode(graphdef, params, state: DecodeState, drafter_params=None, *, batch: int,
-            kv_len: int, greedy_only: bool, drafter_config=None,
-            attention_impl: str = "xla"):  # fmt: skip
+def decode_program(graphdef, params, state: DecodeState, drafter_params=None, *, batch: int,
+                   kv_len: int, greedy_only: bool, drafter_config=None,
+                   attention_impl: str = "xla"):  # fmt: skip
     """One token for slots [0, batch) attending to cache positions [0, kv_len).
 
     With `drafter_params` (eager drafter sync; every slot's drafter in sync) the drafter also
@@ -408,6 +433,10 @@ class RolloutEngine:
                                self._program, self.ngram)  # fmt: skip
         self.state = DecodeState.create(model.config, config.max_batch_size, config.max_seq_len,
                                         self.drafter_config)  # fmt: skip
+        mesh = params_mesh(self.params)
+        if mesh is not None:  # the policy is sharded: so is the state (never replicated)
+            self.state = jax.device_put(self.state, decode_state_shardings(
+                self.state, mesh, sharding_lib.rules_for("rollout")))  # fmt: skip
 
     # -- step policy and drafts ------------------------------------------------------------
 
@@ -486,7 +515,7 @@ class RolloutEngine:
         return program
 
     def _run_prefill(self, batch: list[_Running], slots: list[int]) -> tuple[np.ndarray, ...]:
-        """Prefills `batch` into `slots`, each distinct prompt once (`_prefill`)."""
+        """Prefills `batch` into `slots`, each distinct prompt once (`prefill_program`)."""
         cfg = self.config
         rows: dict[tuple[int, ...], int] = {}
         for run in batch:
@@ -513,7 +542,7 @@ class RolloutEngine:
         greedy = bool(np.all(temperature[: len(batch)] == 0))
         args = (self.params, self.drafter_params, self.state, tokens, lens, row_ids, slot_ids,
                 temperature, top_k, top_p, seeds)  # fmt: skip
-        fn = functools.partial(_prefill, self.graphdef, greedy_only=greedy,
+        fn = functools.partial(prefill_program, self.graphdef, greedy_only=greedy,
                                drafter_config=self.drafter_config)  # fmt: skip
         program = self._program(("prefill", b, u, p, greedy), fn, *args, donate=(2,))
         self.state, next_tokens, logprobs = program(*args)
@@ -532,8 +561,8 @@ class RolloutEngine:
         # the next SD step as in lazy mode).
         eager = (self.drafter_params is not None and cfg.drafter_sync == "eager"
                  and all(r.draft_len == r.cache_len for r in running))  # fmt: skip
-        fn = functools.partial(_decode, self.graphdef, batch=b, kv_len=s, greedy_only=greedy,
-                               drafter_config=self.drafter_config,
+        fn = functools.partial(decode_program, self.graphdef, batch=b, kv_len=s,
+                               greedy_only=greedy, drafter_config=self.drafter_config,
                                attention_impl=cfg.spec_attention_impl)  # fmt: skip
         args = (self.params, self.state, self.drafter_params if eager else None)
         program = self._program(("decode", b, s, greedy, eager), fn, *args, donate=(1,))
