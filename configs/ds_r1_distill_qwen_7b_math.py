@@ -27,7 +27,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                    architecture="ds_r1_distill_qwen_7b", dtype="bfloat16",
                    param_dtype="float32", mesh_shape=(2, 4))  # fmt: skip
     c.rl.update(prompts_per_step=32, group_size=16, num_minibatches=4, reward_timeout_s=10.0,
-                min_length_bucket=512, epsilon_high=0.28)  # fmt: skip
+                min_length_bucket=512, epsilon_high=0.28, remat=True, attention_chunk=1024,
+                logits_chunk=1024)  # fmt: skip
     c.data.update(name="gsm8k", instruction=_BOXED)
     c.optim.update(learning_rate=1e-6, warmup_steps=10, weight_decay=0.01)
     c.rollout.update(temperature=0.6, top_p=0.95, max_new_tokens=16384, max_prompt_len=1024,

@@ -26,7 +26,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.update(name="Qwen/Qwen2.5-7B-Instruct", architecture="qwen2_5_7b",
                    dtype="bfloat16", param_dtype="float32", mesh_shape=(2, 4))  # fmt: skip
     c.rl.update(prompts_per_step=64, group_size=8, micro_batch_size=32, num_minibatches=4,
-                min_length_bucket=128, epsilon_high=0.28)  # fmt: skip
+                min_length_bucket=128, epsilon_high=0.28, remat=True, attention_chunk=1024,
+                logits_chunk=1024)  # fmt: skip
     c.data.update(name="gsm8k", instruction=_BOXED)
     c.optim.update(learning_rate=1e-6, warmup_steps=10, weight_decay=0.01)
     c.rollout.update(max_new_tokens=2048, max_prompt_len=512, max_batch_size=256,

@@ -122,18 +122,21 @@ def test_packed_logprobs_and_features_equal_per_sequence_forwards(tiny, row_len)
             np.testing.assert_allclose(np.asarray(feats)[i][valid[i]], full[0], atol=2e-5)
 
 
-def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0):
+def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0,
+                options=step_lib.ForwardOptions()):  # fmt: skip
     lengths = np.asarray([len(r) for r in RESPONSES])
     weights = algorithms.token_weights(algorithm.loss_aggregation, lengths)
     metric = np.full(len(RESPONSES), 1.0 / lengths.sum())
     accum = step_lib.zero_accumulator(params)
     for micro in micros:
         batch = jax.tree.map(jnp.asarray, micro.batch)
-        old = step_lib.logprob_program(graphdef, params, batch, temperature=1.0)[0]
+        old = step_lib.logprob_program(graphdef, params, batch, temperature=1.0,
+                                       options=options)[0]  # fmt: skip
         inputs = step_lib.LossInputs(old - 0.05, old + ref_shift, micro.per_token(ADVANTAGES),
                                      micro.per_token(weights), micro.per_token(metric))  # fmt: skip
         accum = step_lib.grad_program(graphdef, params, accum, batch, inputs,
-                                      algorithm=algorithm, temperature=1.0)  # fmt: skip
+                                      algorithm=algorithm, temperature=1.0,
+                                      options=options)  # fmt: skip
     return accum
 
 
@@ -187,3 +190,30 @@ def test_packed_geometry_keeps_the_padded_token_budget():
     assert packing.packed_geometry(64, 256, 16, 8, 16) == (320, 13)
     assert packing.packed_geometry(40, 24, 16, 8, 16) == (64, 7)
     assert packing.packed_geometry(30, 4, 1, 1, 16) == (48, 1)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_remat_and_chunked_forward_give_the_same_loss_and_gradient(tiny, layout):
+    """Layer remat, attention 4 (or gcd) queries at a time and the LM head 4 positions at a
+    time change memory, not math: the same log-probs, loss, metrics and gradient."""
+    _, graphdef, params = tiny
+    algorithm = AlgorithmConfig(kl_coef=0.1, epsilon=0.01)
+    if layout == "padded":
+        micros = packing.padded_micro_batches(
+            PROMPTS, RESPONSES, [[[0], [1]]], 2, np.asarray([True, True]), min_bucket=8,
+            max_prompt=16, max_response=16,
+        )[0]  # fmt: skip
+    else:
+        micros = _micro(24)
+    chunked = step_lib.ForwardOptions(remat=True, attention_chunk=4, logits_chunk=4)
+    plain = _accumulate(graphdef, params, micros, algorithm, ref_shift=0.2)
+    other = _accumulate(graphdef, params, micros, algorithm, ref_shift=0.2, options=chunked)
+    for name in step_lib.ACCUMULATED_METRICS:
+        assert float(other[name]) == pytest.approx(float(plain[name]), abs=1e-6), name
+    for a, b in zip(jax.tree.leaves(plain["grads"]), jax.tree.leaves(other["grads"]),
+                    strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    batch = jax.tree.map(jnp.asarray, micros[0].batch)
+    lp = [step_lib.logprob_program(graphdef, params, batch, temperature=0.7, options=o)[0]
+          for o in (step_lib.ForwardOptions(), chunked)]  # fmt: skip
+    np.testing.assert_allclose(lp[0], lp[1], atol=1e-6)

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx, struct
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.parallel.sharding import AnyMesh, Rules, constrain, state_shardings
+from tlt_jax.parallel.sharding import AnyMesh, Rules, abstract_module_state, constrain
 
 ATTENTION_IMPLS = ("xla", "pallas")
 
@@ -129,6 +129,52 @@ def segment_causal_mask(segment_ids_BxT: jax.Array) -> jax.Array:
     return causal_mask(b, t) & same
 
 
+@struct.dataclass
+class CausalMask:
+    """The causal [B, T, T] mask, built a block of query rows at a time (`rows`)."""
+
+    length: int = struct.field(pytree_node=False)
+
+    def rows(self, start, size: int) -> jax.Array:
+        """Rows [start, start + size) as [1, size, T] (broadcasts over the batch)."""
+        q = start + jnp.arange(size)
+        return (jnp.arange(self.length)[None, :] <= q[:, None])[None]
+
+
+@struct.dataclass
+class PackedMask:
+    """Packed rows' mask, built a block of query rows at a time: causal, within a piece, and
+    a response sees only its piece's prompt (segment 0) and itself (padding, piece -1, sees
+    earlier padding only)."""
+
+    piece_BxT: jax.Array
+    segment_BxT: jax.Array
+
+    def rows(self, start, size: int) -> jax.Array:
+        """Rows [start, start + size) as [B, size, T]."""
+        piece, segment = self.piece_BxT, self.segment_BxT
+        q_piece = jax.lax.dynamic_slice_in_dim(piece, start, size, axis=1)
+        q_segment = jax.lax.dynamic_slice_in_dim(segment, start, size, axis=1)
+        causal = CausalMask(piece.shape[1]).rows(start, size)
+        same_piece = q_piece[:, :, None] == piece[:, None, :]
+        own_or_prompt = (q_segment[:, :, None] == segment[:, None, :]) | (segment[:, None, :] == 0)
+        return causal & same_piece & own_or_prompt
+
+
+AnyMask = jax.Array | CausalMask | PackedMask
+
+
+def mask_rows(mask: AnyMask, start, size: int) -> jax.Array:
+    """Query rows [start, start + size) of any mask as a (broadcastable) [B, size, T] array."""
+    if isinstance(mask, CausalMask | PackedMask):
+        return mask.rows(start, size)
+    return jax.lax.dynamic_slice_in_dim(mask, start, size, axis=1)
+
+
+def full_mask(mask: AnyMask, length: int) -> jax.Array:
+    return mask if isinstance(mask, jax.Array) else mask.rows(0, length)
+
+
 def attention(
     q_BxTxNxH: jax.Array,
     k_BxTxKxH: jax.Array,
@@ -139,21 +185,53 @@ def attention(
     cache_lens_B: jax.Array | None = None,
     impl: str = "xla",
     cache_mask_BxTxS: jax.Array | None = None,
+    query_chunk: int = 0,
 ) -> jax.Array:
     """Softmax attention over the valid cached prefix plus the masked new tokens.
 
     A query attends to cache positions `< cache_lens_B[b]`, or, with `cache_mask_BxTxS`
-    (xla only), to exactly the cache positions that mask allows it.
+    (xla only), to exactly the cache positions that mask allows it. `mask_BxTxT` is an array
+    or a mask built by rows (`CausalMask`, `PackedMask`).
+
+    With `query_chunk` (xla only) the queries go `gcd(T, query_chunk)` at a time, each block
+    rematerialized in the backward pass: the [B, N, T, T] float32 scores (and the mask) are
+    never all live, only one block's (long training rows: 16k tokens are 34 GB a layer).
     """
     if impl == "pallas" and cache_mask_BxTxS is not None:
         raise ValueError("cache_mask_BxTxS is supported by impl='xla' only")
+    t = q_BxTxNxH.shape[1]
     if impl == "pallas" and cache_k_BxSxKxH is not None:
         from pallas_kernels.tree_attention import tree_attention
 
         return tree_attention(
             q_BxTxNxH, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B,
-            k_BxTxKxH, v_BxTxKxH, mask_BxTxT,
+            k_BxTxKxH, v_BxTxKxH, full_mask(mask_BxTxT, t),
         )  # fmt: skip
+    chunk = math.gcd(t, query_chunk) if query_chunk else t
+    if chunk >= t:
+        return _dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, full_mask(mask_BxTxT, t),
+                                cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B,
+                                cache_mask_BxTxS)  # fmt: skip
+
+    @jax.checkpoint
+    def block(start):
+        q = jax.lax.dynamic_slice_in_dim(q_BxTxNxH, start, chunk, axis=1)
+        cache_mask = (
+            None
+            if cache_mask_BxTxS is None
+            else jax.lax.dynamic_slice_in_dim(cache_mask_BxTxS, start, chunk, axis=1)
+        )
+        return _dense_attention(q, k_BxTxKxH, v_BxTxKxH, mask_rows(mask_BxTxT, start, chunk),
+                                cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B,
+                                cache_mask)  # fmt: skip
+
+    out_CxBxcxNxH = jax.lax.map(block, jnp.arange(0, t, chunk))
+    b, n, h = q_BxTxNxH.shape[0], q_BxTxNxH.shape[2], q_BxTxNxH.shape[3]
+    return jnp.moveaxis(out_CxBxcxNxH, 0, 1).reshape(b, t, n, h)
+
+
+def _dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxTxT, cache_k_BxSxKxH,
+                     cache_v_BxSxKxH, cache_lens_B, cache_mask_BxTxS) -> jax.Array:  # fmt: skip
     b, t, n, h = q_BxTxNxH.shape
     k = k_BxTxKxH.shape[2]
     q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h) * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)
@@ -197,6 +275,7 @@ def decoder_layer(
     attention_impl: str = "xla",
     input_norm: bool = True,
     cache_mask_BxTxS: jax.Array | None = None,
+    query_chunk: int = 0,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One pre-norm decoder layer; returns the output and the new keys/values."""
     dtype = config.jnp_dtype
@@ -212,7 +291,7 @@ def decoder_layer(
     v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
     attn = attention(
         q, k, v, mask_BxTxT, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B, attention_impl,
-        cache_mask_BxTxS,
+        cache_mask_BxTxS, query_chunk,
     )  # fmt: skip
     x_BxTxD = x_BxTxD + jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
     x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
@@ -329,6 +408,8 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         cache_lens_B: jax.Array | None = None,
         attention_impl: str = "xla",
+        remat: bool = False,
+        query_chunk: int = 0,
     ) -> tuple[jax.Array, NewKV]:
         """Runs the decoder over T new tokens per row.
 
@@ -341,6 +422,10 @@ class Transformer(nnx.Module):
             attends to cache positions `< cache_lens_B[b]`.
           cache_lens_B: valid cached length per row (required with `cache`).
           attention_impl: "xla" (jnp) or "pallas" (the tree-attention kernel, cached path).
+          remat: recompute each layer in the backward pass instead of keeping its
+            activations (a gradient then holds one layer's, plus every layer's input).
+          query_chunk: attention `query_chunk` queries at a time (`attention`); with the
+            default causal mask (or a `PackedMask`) no [B, T, T] mask is built either.
 
         Returns:
           (features_BxTxD: final-norm hidden states, NewKV of the T tokens for every layer).
@@ -352,15 +437,19 @@ class Transformer(nnx.Module):
         config = self.config
         b, t = tokens_BxT.shape
         if mask_BxTxT is None:
-            mask_BxTxT = causal_mask(b, t)
+            mask_BxTxT = CausalMask(t) if query_chunk else causal_mask(b, t)
         sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
         x_BxTxD = self.embed_tokens(tokens_BxT)
 
         def body(x, layer):
             params, cache_k, cache_v = layer
             x, kv = decoder_layer(params, x, sin_cos, mask_BxTxT, config, cache_k, cache_v,
-                                  cache_lens_B, attention_impl)  # fmt: skip
+                                  cache_lens_B, attention_impl,
+                                  query_chunk=query_chunk)  # fmt: skip
             return x, kv
+
+        if remat:
+            body = jax.checkpoint(body, prevent_cse=False)
 
         xs = (self.layers.stacked(),
               None if cache is None else cache.k, None if cache is None else cache.v)  # fmt: skip
@@ -386,18 +475,5 @@ def abstract_state(
     Returns:
       (graphdef, state) ready for `jax.jit(...).lower` or for loading into.
     """
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    if mesh is None:
-        return graphdef, state
-    if rules is None:
-        raise ValueError("abstract_state: rules are required with a mesh")
-    shardings = state_shardings(state, mesh, rules)
-
-    def with_sharding(variable, sharding):
-        value = variable.get_value()
-        return variable.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
-
-    state = jax.tree.map(
-        with_sharding, state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-    return graphdef, state
+    module = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    return abstract_module_state(module, mesh, rules)

@@ -193,6 +193,26 @@ def state_shardings(state: nnx.State, mesh: AnyMesh, rules: Rules) -> nnx.State:
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def abstract_module_state(
+    module: nnx.Module, mesh: AnyMesh | None = None, rules: Rules | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) of an abstract module (`nnx.eval_shape`) as `ShapeDtypeStruct`s,
+    each carrying its `NamedSharding` on `mesh` under `rules` when a mesh is given."""
+    graphdef, state = nnx.split(module)
+    if mesh is None:
+        return graphdef, state
+    if rules is None:
+        raise ValueError("abstract_state: rules are required with a mesh")
+
+    def with_sharding(variable, sharding):
+        value = variable.get_value()
+        return variable.replace(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+
+    state = jax.tree.map(with_sharding, state, state_shardings(state, mesh, rules),
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))  # fmt: skip
+    return graphdef, state
+
+
 @contextlib.contextmanager
 def use_sharding(mesh: AnyMesh, rules: Rules) -> Iterator[ShardingContext]:
     """Within the block, `constrain` maps logical activation axes onto `mesh` with `rules`.

@@ -172,6 +172,11 @@ class RLConfig:
         same token budget per micro-batch as a padded one at its longest) or "padded"
         (`micro_batch_size` sequences, each padded to the micro-batch's longest response).
       algorithm: advantage estimator, loss aggregation, clipping and KL (flat in the group).
+      remat: recompute each layer in the backward pass (long responses: activations of one
+        layer instead of all).
+      attention_chunk: queries per attention block in the train programs (0: all at once);
+        no [len, len] scores or mask are then live beyond one block's.
+      logits_chunk: positions per LM-head block in the train programs (0: all at once).
     """
 
     prompts_per_step: int = 8
@@ -185,6 +190,9 @@ class RLConfig:
     min_length_bucket: int = 16
     update_layout: str = "packed"
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    remat: bool = False
+    attention_chunk: int = 0
+    logits_chunk: int = 0
 
     def __post_init__(self):
         _positive_int("rl", "prompts_per_step", self.prompts_per_step)
@@ -193,6 +201,8 @@ class RLConfig:
         _positive_int("rl", "num_minibatches", self.num_minibatches)
         _positive_int("rl", "max_nonfinite_steps", self.max_nonfinite_steps)
         _positive_int("rl", "min_length_bucket", self.min_length_bucket)
+        _positive_int("rl", "attention_chunk", self.attention_chunk, minimum=0)
+        _positive_int("rl", "logits_chunk", self.logits_chunk, minimum=0)
         _require(self.update_layout in UPDATE_LAYOUTS,
                  f"rl.update_layout={self.update_layout!r} is not one of "
                  f"{list(UPDATE_LAYOUTS)}")  # fmt: skip

@@ -302,7 +302,8 @@ def lower_grad_program(config: TrainConfig, plan: RunPlan, *, prompt_len: int,
     accum["grads"] = params
     graphdef, _ = abstract_state(plan.model)
     fn = step_lib.partial_program(step_lib.grad_program, graphdef, algorithm=rl.algorithm,
-                                  temperature=float(config.rollout.temperature))  # fmt: skip
+                                  temperature=float(config.rollout.temperature),
+                                  options=step_lib.ForwardOptions.of(rl))  # fmt: skip
     with sharding_lib.use_sharding(mesh, sharding_lib.rules_for("train")):
         traced = jax.jit(fn, donate_argnums=(1,)).trace(params, accum, batch, inputs)
         return traced.lower(lowering_platforms=(platform,))

@@ -33,7 +33,9 @@ Programs are pure and compiled ahead of time per padded shape (`ProgramPool`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,10 +46,10 @@ import optax
 from flax import nnx, struct
 
 from tlt_jax import optim
-from tlt_jax.models.transformer import KVCache, causal_mask
+from tlt_jax.models.transformer import KVCache, PackedMask
 from tlt_jax.programs import abstract_like
 from tlt_jax.rl import algorithms
-from tlt_jax.rl.config import OptimConfig
+from tlt_jax.rl.config import OptimConfig, RLConfig
 
 # Weighted sums kept in the gradient accumulator besides the gradients themselves.
 ACCUMULATED_METRICS = (
@@ -132,63 +134,116 @@ def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation,
 # ----------------------------------------------------------------------------- forward
 
 
-def sequence_forward(model, batch: SequenceBatch, temperature: float):
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """How the train programs' forward spends memory (static: part of a program's key).
+
+    Attributes:
+      remat: recompute each layer in the backward pass (keep only the layers' inputs).
+      attention_chunk: queries per attention block (0: all at once; `attention`).
+      logits_chunk: positions per LM-head block (0: all; the [rows, len, V] float32 logits,
+        152k vocab x 17k positions is 10.6 GB a row, are then never all live).
+    """
+
+    remat: bool = False
+    attention_chunk: int = 0
+    logits_chunk: int = 0
+
+    @classmethod
+    def of(cls, rl: RLConfig) -> ForwardOptions:
+        return cls(rl.remat, rl.attention_chunk, rl.logits_chunk)
+
+    def model_kwargs(self) -> dict:
+        return {"remat": self.remat, "query_chunk": self.attention_chunk}
+
+
+def token_stats(model, predicting_BxTxD: jax.Array, tokens_BxT: jax.Array, temperature: float,
+                *, chunk: int = 0, entropy: bool = False):  # fmt: skip
+    """(log-probs [B, T], entropy [B, T] or None) of `tokens_BxT` under the LM head applied to
+    the features predicting them, `gcd(T, chunk)` positions at a time when `chunk` (each block
+    rematerialized in the backward pass). Entropy is of the sampling distribution (logits /
+    temperature), a metric: no gradient."""
+
+    def stats(features, tokens):
+        logits = model.logits(features)
+        logprobs = algorithms.token_logprobs(logits, tokens, temperature)
+        if not entropy:
+            return logprobs, None
+        return logprobs, algorithms.token_entropy(jax.lax.stop_gradient(logits) / temperature)
+
+    b, t = tokens_BxT.shape
+    c = math.gcd(t, chunk) if chunk else t
+    if c >= t:
+        return stats(predicting_BxTxD, tokens_BxT)
+
+    def blocks(x):  # [B, T, ...] -> [T / c, B, c, ...]
+        return jnp.swapaxes(x.reshape(b, t // c, c, *x.shape[2:]), 0, 1)
+
+    out = jax.lax.map(jax.checkpoint(lambda xs: stats(*xs)),
+                      (blocks(predicting_BxTxD), blocks(tokens_BxT)))  # fmt: skip
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(b, t), out)
+
+
+def sequence_forward(model, batch: SequenceBatch, temperature: float,
+                     options: ForwardOptions = ForwardOptions(), entropy: bool = False):  # fmt: skip
     """Log-probs of every response token and the final-norm features, prompts shared.
 
     Args:
       model: the policy (`Transformer`).
       batch: one micro-batch of whole groups.
       temperature: the sampling temperature (log-probs of `softmax(logits / temperature)`).
+      options: remat and chunking of the forward.
+      entropy: also return the sampling distribution's entropy per token.
 
     Returns:
-      (logprobs_BxT float32, logits_BxTxV float32, prompt_features_PxSxD, features_BxTxD).
+      (logprobs_BxT float32, entropy_BxT float32 or None, prompt_features_PxSxD,
+      features_BxTxD).
     """
     p, s = batch.prompt_tokens_PxS.shape
     b, t = batch.response_tokens_BxT.shape
     group = b // p
+    kwargs = options.model_kwargs()
     prompt_positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
-    prompt_features, prompt_kv = model(batch.prompt_tokens_PxS, prompt_positions)
+    prompt_features, prompt_kv = model(batch.prompt_tokens_PxS, prompt_positions, **kwargs)
     prompt_lens_B = jnp.repeat(batch.prompt_lens_P, group)
     cache = KVCache(k=jnp.repeat(prompt_kv.k, group, axis=1),
                     v=jnp.repeat(prompt_kv.v, group, axis=1))  # fmt: skip
     positions = prompt_lens_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     features, _ = model(batch.response_tokens_BxT, positions, cache=cache,
-                        cache_lens_B=prompt_lens_B)  # fmt: skip
+                        cache_lens_B=prompt_lens_B, **kwargs)  # fmt: skip
     last_prompt = jnp.take_along_axis(
         prompt_features, (batch.prompt_lens_P - 1)[:, None, None], axis=1
     )  # [P, 1, D]
     predicting = jnp.concatenate(
         [jnp.repeat(last_prompt, group, axis=0), features[:, :-1]], axis=1
     )  # feature before each response token
-    logits = model.logits(predicting)
-    logprobs = algorithms.token_logprobs(logits, batch.response_tokens_BxT, temperature)
-    return logprobs, logits, prompt_features, features
+    logprobs, entropies = token_stats(model, predicting, batch.response_tokens_BxT, temperature,
+                                      chunk=options.logits_chunk, entropy=entropy)  # fmt: skip
+    return logprobs, entropies, prompt_features, features
 
 
 def packed_mask(piece_RxL: jax.Array, segment_RxL: jax.Array) -> jax.Array:
-    """[R, L, L] attention mask of packed rows: causal, within a piece, and a response sees
-    only its piece's prompt and itself (padding, piece -1, sees earlier padding only)."""
-    r, length = piece_RxL.shape
-    same_piece = piece_RxL[:, :, None] == piece_RxL[:, None, :]
-    own_or_prompt = (segment_RxL[:, :, None] == segment_RxL[:, None, :]) | (
-        segment_RxL[:, None, :] == 0
-    )
-    return causal_mask(r, length) & same_piece & own_or_prompt
+    """[R, L, L] attention mask of packed rows (`PackedMask`, built whole)."""
+    return PackedMask(piece_RxL, segment_RxL).rows(0, piece_RxL.shape[1])
 
 
-def packed_forward(model, batch: PackedBatch, temperature: float):
+def packed_forward(model, batch: PackedBatch, temperature: float,
+                   options: ForwardOptions = ForwardOptions(), entropy: bool = False):  # fmt: skip
     """Log-probs of every packed position's token and the final-norm features.
 
     Returns:
-      (logprobs_RxL float32, logits_RxLxV float32, features_RxLxD). Only positions in
+      (logprobs_RxL float32, entropy_RxL float32 or None, features_RxLxD). Only positions in
       `response_mask_RxL` are meaningful in the first two.
     """
-    mask = packed_mask(batch.piece_RxL, batch.segment_RxL)
-    features, _ = model(batch.tokens_RxL, batch.positions_RxL, mask_BxTxT=mask)
+    mask = PackedMask(batch.piece_RxL, batch.segment_RxL)
+    if not options.attention_chunk:
+        mask = mask.rows(0, batch.piece_RxL.shape[1])
+    features, _ = model(batch.tokens_RxL, batch.positions_RxL, mask_BxTxT=mask,
+                        **options.model_kwargs())  # fmt: skip
     predicting = jnp.take_along_axis(features, batch.predictor_RxL[..., None], axis=1)
-    logits = model.logits(predicting)
-    logprobs = algorithms.token_logprobs(logits, batch.tokens_RxL, temperature)
-    return logprobs, logits, features
+    logprobs, entropies = token_stats(model, predicting, batch.tokens_RxL, temperature,
+                                      chunk=options.logits_chunk, entropy=entropy)  # fmt: skip
+    return logprobs, entropies, features
 
 
 def response_mask(batch: SequenceBatch | PackedBatch):
@@ -198,27 +253,30 @@ def response_mask(batch: SequenceBatch | PackedBatch):
     return batch.response_mask_BxT
 
 
-def _forward(model, batch: SequenceBatch | PackedBatch, temperature: float):
-    """(logprobs, logits, features) of either layout; features are `(prompt, response)`
-    arrays for a padded batch and one `[R, L, D]` array for a packed one."""
+def _forward(model, batch: SequenceBatch | PackedBatch, temperature: float,
+             options: ForwardOptions, entropy: bool = False):  # fmt: skip
+    """(logprobs, entropy or None, features) of either layout; features are `(prompt,
+    response)` arrays for a padded batch and one `[R, L, D]` array for a packed one."""
     if isinstance(batch, PackedBatch):
-        return packed_forward(model, batch, temperature)
-    logprobs, logits, prompt_features, features = sequence_forward(model, batch, temperature)
-    return logprobs, logits, (prompt_features, features)
+        return packed_forward(model, batch, temperature, options, entropy)
+    logprobs, entropies, prompt_features, features = sequence_forward(
+        model, batch, temperature, options, entropy)  # fmt: skip
+    return logprobs, entropies, (prompt_features, features)
 
 
 def logprob_program(graphdef, params, batch: SequenceBatch | PackedBatch, *,
-                    temperature: float):  # fmt: skip
+                    temperature: float, options: ForwardOptions = ForwardOptions()):  # fmt: skip
     """(logprobs, features) of one micro-batch, no gradient; log-probs 0 off responses."""
     model = nnx.merge(graphdef, params)
-    logprobs, _, features = _forward(model, batch, temperature)
+    logprobs, _, features = _forward(model, batch, temperature, options)
     return jnp.where(response_mask(batch), logprobs, 0.0), features
 
 
 def _micro_batch_loss(params, graphdef, batch, inputs: LossInputs, *,
-                      algorithm: algorithms.AlgorithmConfig, temperature: float):  # fmt: skip
+                      algorithm: algorithms.AlgorithmConfig, temperature: float,
+                      options: ForwardOptions):  # fmt: skip
     model = nnx.merge(graphdef, params)
-    logprobs, logits, _ = _forward(model, batch, temperature)
+    logprobs, entropy, _ = _forward(model, batch, temperature, options, entropy=True)
     mask = response_mask(batch)
     # Weights are 0 off responses already; the mask also guards against a host mistake.
     loss_weights = jnp.where(mask, inputs.loss_weights, 0.0)
@@ -229,19 +287,18 @@ def _micro_batch_loss(params, graphdef, batch, inputs: LossInputs, *,
         ref_logprobs=inputs.ref_logprobs if algorithm.kl_coef else None,
         kl_coef=algorithm.kl_coef, kl_estimator=algorithm.kl_estimator,
     )  # fmt: skip
-    # Entropy of the sampling distribution (temperature applied), a metric only.
-    entropy = algorithms.token_entropy(jax.lax.stop_gradient(logits) / temperature)
     metrics = dict(metrics, entropy=jnp.sum(jnp.where(mask, entropy, 0.0) * metric_weights),
                    loss=jax.lax.stop_gradient(loss))  # fmt: skip
     return loss, metrics
 
 
 def grad_program(graphdef, params, accum: dict, batch, inputs: LossInputs, *,
-                 algorithm: algorithms.AlgorithmConfig, temperature: float) -> dict:  # fmt: skip
+                 algorithm: algorithms.AlgorithmConfig, temperature: float,
+                 options: ForwardOptions = ForwardOptions()) -> dict:  # fmt: skip
     """Adds one micro-batch's weighted loss gradient (and weighted metrics) into `accum`."""
     grad_fn = jax.grad(_micro_batch_loss, has_aux=True)
     grads, metrics = grad_fn(params, graphdef, batch, inputs, algorithm=algorithm,
-                             temperature=temperature)  # fmt: skip
+                             temperature=temperature, options=options)  # fmt: skip
     out = {"grads": jax.tree.map(lambda a, g: a + g.astype(a.dtype), accum["grads"], grads)}
     for name in ACCUMULATED_METRICS:
         out[name] = accum[name] + metrics[name]

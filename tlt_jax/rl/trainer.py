@@ -215,16 +215,18 @@ class Trainer:
         params = abstract_like(self.state.params)
         batch_spec = abstract_like(batch)
         per_token = jax.ShapeDtypeStruct((rows, cols), jnp.float32)
+        options = step_lib.ForwardOptions.of(cfg.rl)
         logprob = self.pool.get(
             ("logprob", *shape),
             step_lib.partial_program(step_lib.logprob_program, self.graphdef,
-                                     temperature=temperature),
+                                     temperature=temperature, options=options),
             lambda: (params, batch_spec),
         )  # fmt: skip
         grad = self.pool.get(
             ("grad", *shape),
             step_lib.partial_program(step_lib.grad_program, self.graphdef,
-                                     algorithm=cfg.rl.algorithm, temperature=temperature),
+                                     algorithm=cfg.rl.algorithm, temperature=temperature,
+                                     options=options),
             lambda: (params, step_lib.abstract_accumulator(self.state.params), batch_spec,
                      step_lib.LossInputs(*[per_token] * 5)),
             donate=(1,),
