@@ -1,0 +1,210 @@
+"""The kernel benchmark (`tlt_jax.kernel_bench`) end to end on the tiny shape set on CPU: every
+implementation row, numerics against the XLA reference, the JSON, the budget and byte guards,
+failures recorded per implementation, and the flash_attn / flashinfer argument plumbing against
+stand-ins that follow those libraries' documented semantics. No timing assertions.
+
+Tolerances: float32 1e-4 (one missing or extra key among ~256 moves an output by ~1e-3, so a mask
+error fails it); bfloat16 3e-2 as in test_tree_attention.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from pallas_kernels.tree_attention import tree_attention_reference
+from tlt_jax import kernel_bench
+
+IMPLEMENTATIONS = {impl.name: impl for impl in kernel_bench.IMPLEMENTATIONS}
+MEASURED = ("xla", "pallas", "torch_sdpa", "torch_sdpa_repeat_kv")
+TINY = dict(num_runs=1, num_warmup=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_float32(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kernel_bench") / "k.json"
+    result = kernel_bench.run("tiny", out_json=str(path), dtype="float32", command="cmd", **TINY)
+    return result, json.loads(path.read_text())
+
+
+def test_tiny_rows_numerics_and_json(tiny_float32):
+    result, on_disk = tiny_float32
+    assert on_disk == json.loads(json.dumps(result))
+    assert on_disk["command"] == "cmd" and on_disk["backend"] == "cpu" and on_disk["interpret"]
+    assert on_disk["finished"] and not on_disk["truncated"] and on_disk["skipped_budget"] == 0
+    assert on_disk["torch_version"] == torch.__version__ and on_disk["note"]
+    assert "sum_b(cache_lens[b])" in on_disk["bytes_formula"] and on_disk["hbm_gbps"] is None
+    assert set(on_disk["kernels"]) == {"tree", "decode"}
+    rows = on_disk["results"]
+    assert [(r["kernel"], r["batch"], r["tokens"], r["cache_len"]) for r in rows] == [
+        ("tree", 1, 8, 256), ("tree", 2, 8, 256), ("decode", 1, 1, 256), ("decode", 2, 1, 256)
+    ]  # fmt: skip
+    assert [r["headline"] for r in rows] == [True, True, False, False]
+    assert rows[1]["mean_cache_len"] == 224.0  # lens 256 and 256 - 256 // 4
+    # float32, N=4, K=2, H=16: 2*256*2*16 cache + 2*8*2*16 tree + 2*8*4*16 q and out.
+    assert rows[0]["live_bytes"] == 4 * (16384 + 512 + 1024)
+    for row in rows:
+        assert set(row["impls"]) == set(IMPLEMENTATIONS)
+        for name in MEASURED:
+            impl = row["impls"][name]
+            assert impl["status"] == "ok", (name, impl)
+            for field in ("median_ms", "pipelined_ms", "first_call_s", "gb_per_s"):
+                assert math.isfinite(impl[field]) and impl[field] > 0, (name, field)
+            assert impl["max_abs_diff"] < 1e-4, (name, row["kernel"], impl["max_abs_diff"])
+            assert impl["hbm_fraction"] is None  # no HBM peak for a CPU
+        for name in ("flash_attn", "flashinfer"):
+            if importlib.util.find_spec(name) is None:
+                assert row["impls"][name]["status"] == "unavailable"
+        xla_ms, pallas_ms = (row["impls"][n]["median_ms"] for n in ("xla", "pallas"))
+        assert row["speedup_pallas_over_xla"] == pytest.approx(xla_ms / pallas_ms)
+        assert row["best_cuda_path"] in ("torch_sdpa", "torch_sdpa_repeat_kv")
+
+
+def test_tiny_summary_goals_not_applicable_in_interpret_mode(tiny_float32):
+    summary = tiny_float32[1]["summary"]
+    assert summary["interpret"] and summary["presets"] == ["tiny"]
+    assert summary["headline_tree"]["num_rows"] == 2 and summary["decode"]["num_rows"] == 2
+    assert summary["headline_tree"]["geomean_speedup_pallas_over_xla"] > 0
+    assert set(summary["goals"]) == {goal for goal, *_ in kernel_bench.GOALS}
+    for entry in summary["goals"].values():
+        assert entry["status"] == "not_applicable" and entry["met"] is None
+
+
+def test_device_shape_set_order_labels_and_sizes():
+    cases = kernel_bench.shape_cases("device")
+    assert len(cases) == 4 * 4 * 4 + 4 * 4  # one head shape for both 7B presets
+    assert all(c.presets == ("qwen2_5_7b", "ds_r1_distill_qwen_7b") for c in cases)
+    assert {(c.num_heads, c.num_kv_heads, c.head_dim) for c in cases} == {(28, 4, 128)}
+    headline = [c for c in cases if c.headline]
+    assert cases[: len(headline)] == headline and len(headline) == 3 * 3 * 3
+    assert all(c.batch_size <= 16 and 8 <= c.num_tokens <= 32 for c in headline)
+    assert all(c.cache_len >= 4096 and c.kernel == "tree" for c in headline)
+    assert [c.kernel for c in cases[27:43]] == ["decode"] * 16
+    assert all(c.num_tokens == 1 for c in cases if c.kernel == "decode")
+    # The largest case's bfloat16 inputs (B 64, S 32768: 4 GiB of cache) pass the 8 GiB guard.
+    assert max(c.input_bytes(2) for c in cases) < 8 << 30
+    with pytest.raises(ValueError, match="shapes='huge'"):
+        kernel_bench.shape_cases("huge")
+
+
+def test_budget_zero_truncates_and_keeps_the_first_case(tmp_path):
+    path = tmp_path / "k.json"
+    result = kernel_bench.run("tiny", out_json=str(path), budget_s=0, **TINY)
+    on_disk = json.loads(path.read_text())
+    assert on_disk["truncated"] and on_disk["skipped_budget"] == 3 and on_disk["finished"]
+    assert len(on_disk["results"]) == 1 == len(result["results"])
+    row = on_disk["results"][0]
+    assert row["dtype"] == "bfloat16"
+    for name in MEASURED:
+        assert row["impls"][name]["max_abs_diff"] < 3e-2, name
+
+
+def test_max_bytes_skips_cases():
+    result = kernel_bench.run("tiny", max_bytes=1, **TINY)
+    assert result["skipped_max_bytes"] == 4 and result["results"] == []
+    assert result["summary"]["goals"]["pallas_at_least_1.5x_xla"]["value"] is None
+
+
+def _off_by_one(inputs):
+    """A reference that drops each request's last cache token: its diff must show."""
+    q, k_cache, v_cache, lens, *tree = inputs.args
+    prepared = IMPLEMENTATIONS["xla"].prepare(inputs)
+    return dataclasses.replace(
+        prepared, call=lambda: tree_attention_reference(q, k_cache, v_cache, lens - 1, *tree)
+    )
+
+
+def _raises(inputs):
+    raise RuntimeError("no kernel for this shape")
+
+
+def test_a_raising_implementation_is_recorded_and_the_run_goes_on():
+    implementations = [
+        IMPLEMENTATIONS["xla"],
+        kernel_bench.Implementation("raises", _raises),
+        kernel_bench.Implementation("off_by_one", _off_by_one),
+        kernel_bench.Implementation("tree_only", _raises, kernels=("tree",)),
+    ]
+    result = kernel_bench.run("tiny", dtype="float32", implementations=implementations, **TINY)
+    assert len(result["results"]) == 4
+    for row in result["results"]:
+        impls = row["impls"]
+        error = "RuntimeError: no kernel for this shape"
+        assert impls["raises"] == dict(status="error", error=error)
+        assert impls["xla"]["status"] == "ok" and impls["xla"]["max_abs_diff"] == 0.0
+        assert impls["off_by_one"]["max_abs_diff"] > 1e-3
+        assert row["speedup_pallas_over_xla"] is None and row["best_cuda_path"] is None
+        want = "error" if row["kernel"] == "tree" else "not_applicable"
+        assert impls["tree_only"]["status"] == want
+
+
+def _attend(q_TxNxH, k_SxKxH, v_SxKxH, mask_TxS=None):
+    """Documented semantics of both libraries: query head n reads kv head n // G."""
+    group = q_TxNxH.shape[1] // k_SxKxH.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1).double() for x in (k_SxKxH, v_SxKxH))
+    scores_NxTxS = torch.einsum("tnh,snh->nts", q_TxNxH.double(), k) * q_TxNxH.shape[-1] ** -0.5
+    if mask_TxS is not None:
+        scores_NxTxS = scores_NxTxS.masked_fill(~mask_TxS, -math.inf)
+    return torch.einsum("nts,snh->tnh", scores_NxTxS.softmax(-1), v).to(q_TxNxH.dtype)
+
+
+class _PagedWrapper:
+    """flashinfer's paged prefill / decode wrappers: ``plan`` then ``run(q, (k, v))``."""
+
+    def __init__(self, workspace, layout, use_tensor_cores=False):
+        assert layout == "NHD"
+
+    def plan(self, *args, custom_mask=None, q_data_type=None, kv_data_type=None):
+        if len(args) == 8:  # prefill: qo_indptr first
+            self.qo_indptr, *args = args
+        self.indptr, self.indices, self.last_page_len, *_, self.page_size = args
+        self.custom_mask = custom_mask
+
+    def run(self, q, pages):
+        k_pages, v_pages = pages
+        batch = len(self.last_page_len)
+        qo_indptr = getattr(self, "qo_indptr", torch.arange(batch + 1))
+        outs, mask_offset = [], 0
+        for b in range(batch):
+            ids = self.indices[self.indptr[b] : self.indptr[b + 1]]
+            kv_len = (len(ids) - 1) * self.page_size + int(self.last_page_len[b])
+            k, v = (p[ids].flatten(0, 1)[:kv_len] for p in (k_pages, v_pages))
+            q_b = q[qo_indptr[b] : qo_indptr[b + 1]]
+            mask = None
+            if self.custom_mask is not None:
+                size = len(q_b) * kv_len
+                mask = self.custom_mask[mask_offset : mask_offset + size].view(len(q_b), kv_len)
+                mask_offset += size
+            outs.append(_attend(q_b, k, v, mask))
+        return torch.cat(outs)
+
+
+def _flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None):
+    return torch.stack([_attend(q[b], k_cache[b, :n], v_cache[b, :n])
+                        for b, n in enumerate(cache_seqlens.tolist())])  # fmt: skip
+
+
+def test_flash_attn_and_flashinfer_plumbing_against_documented_semantics(monkeypatch):
+    flashinfer = types.ModuleType("flashinfer")
+    flashinfer.BatchPrefillWithPagedKVCacheWrapper = _PagedWrapper
+    flashinfer.BatchDecodeWithPagedKVCacheWrapper = _PagedWrapper
+    flash_attn = types.ModuleType("flash_attn")
+    flash_attn.flash_attn_with_kvcache = _flash_attn_with_kvcache
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn)
+    implementations = [IMPLEMENTATIONS[n] for n in ("xla", "flash_attn", "flashinfer")]
+    result = kernel_bench.run("tiny", dtype="float32", implementations=implementations, **TINY)
+    for row in result["results"]:
+        assert row["impls"]["flashinfer"]["max_abs_diff"] < 1e-4, row
+        if row["kernel"] == "decode":
+            assert row["impls"]["flash_attn"]["max_abs_diff"] < 1e-4, row
+        else:
+            assert row["impls"]["flash_attn"]["status"] == "not_applicable"
+        assert row["best_cuda_path"] in ("flash_attn", "flashinfer")
