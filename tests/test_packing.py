@@ -122,8 +122,8 @@ def test_packed_logprobs_and_features_equal_per_sequence_forwards(tiny, row_len)
             np.testing.assert_allclose(np.asarray(feats)[i][valid[i]], full[0], atol=2e-5)
 
 
-def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0,
-                options=step_lib.ForwardOptions()):  # fmt: skip
+def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0, options=None):
+    options = options or step_lib.ForwardOptions()
     lengths = np.asarray([len(r) for r in RESPONSES])
     weights = algorithms.token_weights(algorithm.loss_aggregation, lengths)
     metric = np.full(len(RESPONSES), 1.0 / lengths.sum())
@@ -217,3 +217,15 @@ def test_remat_and_chunked_forward_give_the_same_loss_and_gradient(tiny, layout)
     lp = [step_lib.logprob_program(graphdef, params, batch, temperature=0.7, options=o)[0]
           for o in (step_lib.ForwardOptions(), chunked)]  # fmt: skip
     np.testing.assert_allclose(lp[0], lp[1], atol=1e-6)
+
+
+def test_rows_per_micro_batch_are_multiples_of_the_data_degree():
+    """Rows the mesh's data axis does not divide would be computed whole on every data shard:
+    the geometry and every split round to multiples of it."""
+    assert packing.split_rows(7, 12, multiple=2) == (1, 8)
+    assert packing.split_rows(13, 12, multiple=4) == (2, 8)
+    with pytest.raises(ValueError, match="max_rows=13 is not a multiple of the data degree 2"):
+        packing.split_rows(5, 13, multiple=2)
+    for rows in range(1, 40):
+        count, per = packing.split_rows(rows, 24, multiple=4)
+        assert per % 4 == 0 and count * per >= rows

@@ -219,13 +219,16 @@ def pack_rows(prompt_lens: Sequence[int], response_lens: Sequence[int], groups: 
 MICRO_BATCH_COST_ROWS = 0.5
 
 
-def split_rows(num_rows: int, max_rows: int) -> tuple[int, int]:
+def split_rows(num_rows: int, max_rows: int, multiple: int = 1) -> tuple[int, int]:
     """(micro-batches, rows each) for `num_rows` packed rows: the cheapest split by rows
     computed plus `MICRO_BATCH_COST_ROWS` per micro-batch, with rows per micro-batch a
-    `ROW_BUCKETS` size or `max_rows`; among equals, the fewest micro-batches."""
+    `ROW_BUCKETS` size or `max_rows`, a multiple of `multiple` (the mesh's data degree, which
+    splits the rows; `max_rows` must be one); among equals, the fewest micro-batches."""
     if num_rows == 0:
         return 0, 0
-    sizes = sorted({b for b in ROW_BUCKETS if b < max_rows} | {max_rows})
+    if max_rows % multiple:
+        raise ValueError(f"max_rows={max_rows} is not a multiple of the data degree {multiple}")
+    sizes = sorted({b for b in ROW_BUCKETS if b < max_rows and b % multiple == 0} | {max_rows})
     splits = [(math.ceil(num_rows / r), r) for r in sizes]
     return min(splits, key=lambda c: (c[0] * (c[1] + MICRO_BATCH_COST_ROWS), c[0]))
 
@@ -271,13 +274,14 @@ def build_packed_batch(rows: list[list[tuple[int, list[int]]]], num_rows: int, r
 
 def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                          minibatches: list[list[int]], group_size: int, has_signal: np.ndarray,
-                         *, row_len: int, max_rows: int, include_silent: bool
-                         ) -> list[list[MicroBatch]]:  # fmt: skip
+                         *, row_len: int, max_rows: int, include_silent: bool,
+                         row_multiple: int = 1) -> list[list[MicroBatch]]:  # fmt: skip
     """Packed micro-batches per mini-batch (`minibatches`: group indices of each).
 
     Groups with advantage signal pack first and apart from the silent ones (all-equal
     rewards), which get micro-batches of their own only with `include_silent` (a KL term or a
-    feature sink needs them); those are marked untrained.
+    feature sink needs them); those are marked untrained. Rows per micro-batch are multiples
+    of `row_multiple` (`split_rows`).
     """
     prompt_lens = [len(p) for p in prompts]
     response_lens = [len(r) for r in responses]
@@ -289,7 +293,7 @@ def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[S
             classes.append(([q for q in groups if not has_signal[q]], False))
         for members, trained in classes:
             rows = pack_rows(prompt_lens, response_lens, members, group_size, row_len)
-            count, per = split_rows(len(rows), max_rows)
+            count, per = split_rows(len(rows), max_rows, row_multiple)
             step = math.ceil(len(rows) / count) if count else 0
             for i in range(count):
                 chunk = rows[i * step : (i + 1) * step]
@@ -307,15 +311,19 @@ def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[S
 # ----------------------------------------------------------------------------- a run's
 
 
-def run_geometry(rl, rollout) -> tuple[int, int]:
-    """`packed_geometry` of a run's `rl` and `rollout` config groups."""
-    return packed_geometry(rollout.max_prompt_len, rollout.max_new_tokens, rl.micro_batch_size,
-                           rl.group_size, rl.min_length_bucket)  # fmt: skip
+def run_geometry(rl, rollout, data: int = 1) -> tuple[int, int]:
+    """`packed_geometry` of a run's `rl` and `rollout` config groups, rows rounded down to a
+    multiple of the mesh's `data` degree (at least `data`): rows that the data axis does not
+    divide would be computed whole on every data shard."""
+    row_len, rows = packed_geometry(rollout.max_prompt_len, rollout.max_new_tokens,
+                                    rl.micro_batch_size, rl.group_size,
+                                    rl.min_length_bucket)  # fmt: skip
+    return row_len, max(data, rows // data * data)
 
 
-def micro_batches(
-    rl, rollout, prompts, responses, has_signal: np.ndarray, *, include_silent: bool
-) -> tuple[list[list[int]], list[list[MicroBatch]]]:
+def micro_batches(rl, rollout, prompts, responses, has_signal: np.ndarray, *,
+                  include_silent: bool, data: int = 1
+                  ) -> tuple[list[list[int]], list[list[MicroBatch]]]:  # fmt: skip
     """(group indices per mini-batch, `MicroBatch`es per mini-batch) in `rl.update_layout`.
 
     Padded: `step.plan_micro_batches` (groups of similar length share micro-batches, silent
@@ -333,10 +341,10 @@ def micro_batches(
         )  # fmt: skip
     per_mini = len(prompts) // rl.num_minibatches
     minibatches = [list(range(s, s + per_mini)) for s in range(0, len(prompts), per_mini)]
-    row_len, max_rows = run_geometry(rl, rollout)
+    row_len, max_rows = run_geometry(rl, rollout, data)
     return minibatches, packed_micro_batches(
         prompts, responses, minibatches, g, has_signal, row_len=row_len, max_rows=max_rows,
-        include_silent=include_silent,
+        include_silent=include_silent, row_multiple=data,
     )  # fmt: skip
 
 

@@ -286,8 +286,10 @@ def lower_grad_program(config: TrainConfig, plan: RunPlan, *, prompt_len: int,
 
     rl = config.rl
     if rl.update_layout == "packed":
-        cols, rows = packing.packed_geometry(prompt_len, response_len, rl.micro_batch_size,
-                                             rl.group_size, rl.min_length_bucket)  # fmt: skip
+        rollout = dataclasses.replace(
+            config.rollout, max_prompt_len=prompt_len, max_new_tokens=response_len
+        )
+        cols, rows = packing.run_geometry(rl, rollout, mesh.shape["data"])
         tokens = spec((rows, cols), jnp.int32)
         batch = step_lib.PackedBatch(tokens, tokens, tokens, tokens, tokens,
                                      spec((rows, cols), jnp.bool_))  # fmt: skip

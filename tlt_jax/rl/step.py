@@ -185,7 +185,8 @@ def token_stats(model, predicting_BxTxD: jax.Array, tokens_BxT: jax.Array, tempe
 
 
 def sequence_forward(model, batch: SequenceBatch, temperature: float,
-                     options: ForwardOptions = ForwardOptions(), entropy: bool = False):  # fmt: skip
+                     options: ForwardOptions = ForwardOptions(),
+                     entropy: bool = False):  # fmt: skip
     """Log-probs of every response token and the final-norm features, prompts shared.
 
     Args:

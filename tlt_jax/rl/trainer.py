@@ -148,7 +148,8 @@ class Trainer:
         self.sampling = SamplingParams(
             cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k
         )
-        self.row_len, self.max_rows = packing.run_geometry(cfg.rl, cfg.rollout)
+        self.row_len, self.max_rows = packing.run_geometry(cfg.rl, cfg.rollout,
+                                                           cfg.model.mesh_shape[0])  # fmt: skip
 
         total_updates = cfg.total_steps * cfg.rl.num_minibatches
         self.optimizer = step_lib.make_optimizer(cfg.optim, total_updates)
@@ -307,7 +308,8 @@ class Trainer:
         responses = [c.token_ids for c in completions]
         groups = np.ones((len(prompts),), bool)
         _, plan = packing.micro_batches(self.config.rl, self.config.rollout, prompts, responses,
-                                        groups, include_silent=True)  # fmt: skip
+                                        groups, include_silent=True,
+                                        data=self.config.model.mesh_shape[0])  # fmt: skip
         for micro in (m for micros in plan for m in micros):
             batch = self._put(micro.batch)
             _, features = self._programs(batch)[0](self.state.params, batch)
@@ -337,7 +339,8 @@ class Trainer:
         responses = [c.token_ids for c in completions]
         needs_all = bool(self.sinks) or cfg.rl.algorithm.kl_coef > 0
         minibatches, micro_plan = packing.micro_batches(
-            cfg.rl, cfg.rollout, prompts, responses, has_signal, include_silent=needs_all
+            cfg.rl, cfg.rollout, prompts, responses, has_signal, include_silent=needs_all,
+            data=cfg.model.mesh_shape[0],
         )  # fmt: skip
         flat = [(i, j) for i, micros in enumerate(micro_plan) for j in range(len(micros))]
         batches, old_logprobs, ref_logprobs = {}, {}, {}
