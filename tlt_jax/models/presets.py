@@ -51,6 +51,24 @@ PRESETS: dict[str, ModelConfig] = {
         attention_bias=True,
         max_position_embeddings=32768,
     ),
+    # Qwen/Qwen2.5-1.5B: the accelerator check's decode / verify crossover preset.
+    "qwen2_5_1_5b": ModelConfig(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        max_position_embeddings=32768,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
+    ),
     # Qwen/Qwen2.5-7B.
     "qwen2_5_7b": ModelConfig(
         model_type="qwen2",
