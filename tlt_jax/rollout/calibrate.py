@@ -93,6 +93,25 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
         ) from e
 
 
+def random_requests(vocab: int, batch: int, *, prompt_len: int, steps: int, temperature: float,
+                    rng: np.random.Generator) -> list:  # fmt: skip
+    """`batch` random prompts of `prompt_len` tokens, each decoding `steps` + 2 tokens."""
+    from tlt_jax.rollout.engine import Request
+
+    sampling = SamplingParams(temperature=temperature)
+    return [Request(tuple(int(t) for t in rng.integers(0, vocab, prompt_len)), steps + 2,
+                    sampling, (), seed=i) for i in range(batch)]  # fmt: skip
+
+
+def step_ms(engine, policy, requests: list) -> float:
+    """Median milliseconds of a decode step under `policy` with all `requests` running (a
+    two-token warm-up first compiles the batch's programs off the clock)."""
+    engine.step_policy = policy
+    engine.generate([dataclasses.replace(r, max_new_tokens=2) for r in requests])
+    engine.generate(requests)
+    return median_step_ms(engine.stats.timeline, len(requests))
+
+
 def calibrate(engine, *, verify_tokens: int = 4, max_batch: int | None = None,
               prompt_len: int = 16, steps: int = 8, temperature: float = 0.8,
               max_cost_ratio: float = 2.0, seed: int = 0) -> Calibration:  # fmt: skip
@@ -110,36 +129,21 @@ def calibrate(engine, *, verify_tokens: int = 4, max_batch: int | None = None,
     Returns:
       The `Calibration`; threshold 0 when SD pays at no batch size.
     """
-    from tlt_jax.rollout.engine import Request
-
     start = time.perf_counter()
     cfg = engine.config
     buckets = [b for b in cfg.batch_buckets if max_batch is None or b <= max_batch]
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
-    sampling = SamplingParams(temperature=temperature)
     choice = StepChoice(SpecStrategy(max(verify_tokens - 1, 1), 1, verify_tokens), "ngram")
     saved = engine.step_policy
     plain_ms, verify_ms = {}, {}
     above = 0
     try:
         for b in buckets:
-            requests = [
-                Request(
-                    tuple(int(t) for t in rng.integers(0, vocab, prompt_len)),
-                    steps + 2,
-                    sampling,
-                    (),
-                    seed=i,
-                )  # fmt: skip
-                for i in range(b)
-            ]
-            warm = [dataclasses.replace(r, max_new_tokens=2) for r in requests]
-            for policy, out in ((PlainPolicy(), plain_ms), (FixedPolicy(choice), verify_ms)):
-                engine.step_policy = policy
-                engine.generate(warm)  # compiles this bucket's programs off the clock
-                engine.generate(requests)
-                out[b] = median_step_ms(engine.stats.timeline, b)
+            requests = random_requests(vocab, b, prompt_len=prompt_len, steps=steps,
+                                       temperature=temperature, rng=rng)  # fmt: skip
+            plain_ms[b] = step_ms(engine, PlainPolicy(), requests)
+            verify_ms[b] = step_ms(engine, FixedPolicy(choice), requests)
             # The ratio grows with the batch: two buckets past the bound end the search.
             above = above + 1 if verify_ms[b] / plain_ms[b] >= max_cost_ratio else 0
             if above == 2:

@@ -1,0 +1,39 @@
+"""The accelerator check's one command runs end to end on CPU (`--dry_run`): every stage ok,
+each stage's figures in the JSON, and no more files under the output folder than the device
+returns (8)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from rl_testing import REPO
+
+
+def test_accelerator_check_dry_run(tmp_path):
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    proc = subprocess.run(
+        [sys.executable, "scripts/accelerator_check.py", "--dry_run", f"--out_dir={out}",
+         f"--scratch_dir={scratch}"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "accelerator_check.json").read_text())
+    stages = report["stages"]
+    assert list(stages) == ["tree_attention_tests", "bench_kernels", "sd_crossover", "rl_loop"]
+    assert all(s["status"] == "ok" for s in stages.values()), stages
+    tests = stages["tree_attention_tests"]["summary"]
+    assert tests["tests"] > 20 and not tests["failed"]
+    kernels = stages["bench_kernels"]["summary"]["summary"]
+    assert set(kernels["goals"]) == {"pallas_at_least_1.5x_xla",
+                                     "pallas_at_least_0.7_hbm_bandwidth",
+                                     "pallas_within_1.2x_best_cuda"}  # fmt: skip
+    crossover = stages["sd_crossover"]["summary"]["xla"]
+    assert set(crossover["crossover_batch"]["3,1,4"]) == {"2.0", "3.0"}
+    assert crossover["batch_1"]["plain_ms"] > 0
+    rl = stages["rl_loop"]["summary"]
+    assert rl["steps"] == 2 and rl["mean_phase_s"]["time_rollout"] > 0
+    assert "sd_step_share" in rl["last_step"]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8, files
