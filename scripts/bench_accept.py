@@ -1,0 +1,57 @@
+r"""Acceptance length per RL step: spot-trained vs frozen warm-up drafter vs a cold start.
+
+    python scripts/train_drafter.py --model smollm2-135m-instruct --prompts P.jsonl \
+        --workdir /tmp/warm_drafter --max_steps 400 --max_new_tokens 256 --temperature 0.8 \
+        --instruction "Solve step by step, end with '#### <number>'."
+    python scripts/bench_accept.py --warm_drafter /tmp/warm_drafter/eagle --steps 20 \
+        --root /tmp/bench_accept --output_json /tmp/bench_accept.json
+
+Three runs of `--config` (default: the main job) with two rollout slices on two CPU devices
+(`XLA_FLAGS` is set for them), differing only in the drafter (`tlt_jax/rl/bench_accept.py`).
+A run whose workdir already holds checkpoints resumes to `--steps`, so a cut-short benchmark
+continues where it stopped. Acceptance is a count, not a time: a busy machine slows the runs,
+not the figure (it changes how many drafter steps fit in the idle windows).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags
+
+_CONFIG = flags.DEFINE_string("config", "configs/smollm2_arith.py", "Config file (train.py's).")
+_WARM = flags.DEFINE_string("warm_drafter", None, "The warm-up drafter (HF-EAGLE export).")
+_STEPS = flags.DEFINE_integer("steps", 20, "RL steps per run.")
+_ROOT = flags.DEFINE_string("root", "/tmp/bench_accept", "One workdir per variant under here.")
+_VARIANTS = flags.DEFINE_list("variants", ["spot", "frozen", "cold"], "Runs, in order.")
+_EXTRA = flags.DEFINE_multi_string("override", [], "More train.py flags for every run.")
+_OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from tlt_jax.rl import bench_accept
+
+    unknown = sorted(set(_VARIANTS.value) - set(bench_accept.VARIANTS))
+    if unknown:
+        raise app.UsageError(f"--variants {unknown} not in {list(bench_accept.VARIANTS)}")
+    if _WARM.value and not Path(_WARM.value).is_dir():
+        raise app.UsageError(f"--warm_drafter={_WARM.value!r} is not a directory")
+    command = " ".join(["python", *sys.argv])
+    print(command, flush=True)
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=2").strip()  # fmt: skip
+    result = bench_accept.run(_CONFIG.value, Path(_ROOT.value), _VARIANTS.value, _STEPS.value,
+                              _WARM.value, _EXTRA.value, env=env)  # fmt: skip
+    result["command"] = command
+    print(json.dumps(result["summary"], indent=1))
+    if _OUTPUT_JSON.value:
+        Path(_OUTPUT_JSON.value).write_text(json.dumps(result, indent=1))
+        print(f"wrote {_OUTPUT_JSON.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,103 @@
+"""Acceptance length per RL step: a spot-trained drafter vs a frozen one vs a cold start.
+
+Three runs of the same config and seed (`scripts/train.py`, two rollout slices), differing only
+in the drafter (`VARIANTS`):
+
+- `spot`: the warm-up drafter (`spec.drafter`), spot-trained on the idle slice every step;
+- `frozen`: the same warm-up drafter, never trained (spot training off);
+- `cold`: no warm-up, a random drafter spot-trained from the first step.
+
+Each step's `accept_len_eagle` (tokens per EAGLE SD step under the drafter version of that
+step) and `accept_len_ngram` (the model-free drafts' in the same rollouts) come from the runs'
+`metrics.jsonl`. The goals: the spot-trained drafter beats the frozen one by >= 0.3 tokens at
+the last step (mean of the last three steps: a step's acceptance rests on its SD steps only),
+and the cold start passes the n-gram drafts within the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+VARIANTS = {
+    "spot": ("--config.spot.enabled=True", "--config.spec.drafter={warm}"),
+    "frozen": ("--config.spot.enabled=False", "--config.spec.drafter={warm}"),
+    "cold": ("--config.spot.enabled=True", "--config.spec.drafter="),
+}
+PER_STEP = ("accept_len_eagle", "accept_len_ngram", "sd_steps", "drafter_version",
+            "drafter_steps", "drafter_accuracy", "response_len_mean", "long_tail_share",
+            "reward_mean")  # fmt: skip
+LAST_STEPS = 3  # the final acceptance is the mean of the last this many steps that had SD
+
+
+def train_argv(config: str, workdir: Path, variant: str, steps: int, warm: str | None,
+               extra: Sequence[str] = ()) -> list[str]:  # fmt: skip
+    """`scripts/train.py` for one variant (no evaluation; two rollout slices)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not one of {list(VARIANTS)}")
+    if variant != "cold" and not warm:
+        raise ValueError(f"variant {variant!r} needs a warm-up drafter (--warm_drafter)")
+    flags = [f.format(warm=warm or "") for f in VARIANTS[variant]]
+    return [sys.executable, "scripts/train.py", f"--config={config}", f"--workdir={workdir}",
+            f"--config.total_steps={steps}", "--config.eval.num_problems=0",
+            "--config.spot.slices=2", *flags, *extra]  # fmt: skip
+
+
+def read_steps(workdir: Path) -> list[dict]:
+    """Per RL step, the `PER_STEP` metrics of a run's `metrics.jsonl` (missing ones None)."""
+    path = Path(workdir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_step = {int(r["step"]): r for r in records if "time_rollout" in r}
+    return [{"step": s, **{k: by_step[s].get(k) for k in PER_STEP}} for s in sorted(by_step)]
+
+
+def _final(values: list[float | None]) -> float | None:
+    seen = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(seen[-LAST_STEPS:]) / len(seen[-LAST_STEPS:]) if seen else None
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Acceptance by step per variant, the final values and the issue's goals."""
+    by_step = {v: [r["accept_len_eagle"] for r in rows] for v, rows in runs.items()}
+    ngram = [r["accept_len_ngram"] for rows in runs.values() for r in rows]
+    final = {v: _final(values) for v, values in by_step.items()}
+    out: dict = {"accept_len_by_step": by_step, "final_accept_len": final,
+                 "ngram_accept_len_mean": _final(ngram) if ngram else None}  # fmt: skip
+    if final.get("spot") is not None and final.get("frozen") is not None:
+        gain = final["spot"] - final["frozen"]
+        out["spot_minus_frozen"] = gain
+        out["goal_spot_beats_frozen_by_0.3"] = gain >= 0.3
+    if "cold" in runs:
+        passed = [r["step"] for r in runs["cold"] if r["accept_len_eagle"] is not None
+                  and r["accept_len_ngram"] is not None
+                  and r["accept_len_eagle"] > r["accept_len_ngram"]]  # fmt: skip
+        out["cold_passes_ngram_at_step"] = passed[0] if passed else None
+        out["goal_cold_passes_ngram"] = bool(passed)
+    return out
+
+
+def run(config: str, root: Path, variants: Sequence[str], steps: int, warm: str | None,
+        extra: Sequence[str] = (), env: dict | None = None, log=print) -> dict:  # fmt: skip
+    """Runs (or resumes: a workdir with a checkpoint continues to `steps`) each variant and
+    summarizes; a variant that fails keeps the steps it logged and its error."""
+    runs, errors = {}, {}
+    for variant in variants:
+        workdir = Path(root) / variant
+        argv = train_argv(config, workdir, variant, steps, warm, extra)
+        log(" ".join(argv))
+        logfile = Path(root) / f"{variant}.log"
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+        with logfile.open("a") as f:
+            rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        runs[variant] = read_steps(workdir)
+        if rc:
+            errors[variant] = f"rc {rc}; see {logfile}"
+        log(f"{variant}: {len(runs[variant])} steps, accept_len_eagle "
+            f"{[r['accept_len_eagle'] for r in runs[variant]]}")  # fmt: skip
+    return {"summary": summarize(runs), "per_step": runs, "errors": errors}
