@@ -29,8 +29,35 @@ def _build(name, arg=None):
     return config, TrainConfig.from_config_dict(config)
 
 
+DRAFTER_CONFIGS = [("drafter_warmup", None), ("drafter_warmup", "arith")]
+
+
 def test_every_config_file_is_listed():
-    assert {p.stem for p in CONFIG_DIR.glob("*.py")} == {name for name, _ in CONFIGS}
+    listed = {name for name, _ in CONFIGS + DRAFTER_CONFIGS}
+    assert {p.stem for p in CONFIG_DIR.glob("*.py")} == listed
+
+
+@pytest.mark.parametrize(("name", "arg"), DRAFTER_CONFIGS)
+def test_drafter_config_loads_and_builds(name, arg):
+    """train_drafter.py's config files: every field typed, the optimizer the RL run's own."""
+    from tlt_jax.drafter.warmup import config_from_dict
+    from tlt_jax.optim import OptimConfig
+
+    raw = load_config_dict(name, arg)
+    with pytest.raises(ValueError, match="prompts=''"):
+        config_from_dict(raw, "/tmp/w")
+    raw.prompts = "prompts.jsonl"
+    config, script = config_from_dict(raw, "/tmp/w")
+    assert script["model"] == "smollm2-135m-instruct" and config.workdir == "/tmp/w"
+    assert isinstance(config.train.optim, OptimConfig)
+    assert config.train.total_steps == (400 if arg == "arith" else 1000)
+    raw.train.optim.warmup_steps = 5000
+    with pytest.raises(ValueError, match="optim.warmup_steps=5000 must be < total_steps"):
+        config_from_dict(raw, "/tmp/w")
+    raw.train.optim.warmup_steps = 10
+    raw.train.lr = 1.0
+    with pytest.raises(ValueError, match="train.lr is not a field"):
+        config_from_dict(raw, "/tmp/w")
 
 
 @pytest.mark.parametrize(("name", "arg"), CONFIGS)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,13 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tlt_jax.checkpointing.manager import DrafterCheckpointer
 from tlt_jax.data.tokenizer import stop_token_ids
 from tlt_jax.drafter.data import DrafterBuffer, cut_window, pack_windows
 from tlt_jax.drafter.export import export_eagle, load_eagle
 from tlt_jax.drafter.hot_vocab import load_hot_vocab, load_token_counts
 from tlt_jax.drafter.loss import eagle_inputs, eagle_loss, smooth_l1
 from tlt_jax.drafter.trainer import (
-    DrafterCheckpointer,
     DrafterTrainConfig,
     batch_loss,
     init_train_state,
@@ -33,8 +34,12 @@ from tlt_jax.models.drafter import (
 )
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import Transformer, segment_causal_mask, write_kv
+from tlt_jax.optim import OptimConfig
 from tlt_jax.parallel.sharding import make_mesh
 
+# A quick constant-rate optimizer for the training tests (decay on matrices as by default).
+FAST_OPTIM = OptimConfig(learning_rate=3e-3, schedule="constant", warmup_steps=2, b2=0.95,
+                         weight_decay=0.01)  # fmt: skip
 CONFIG = get_preset("tiny")
 D, V = CONFIG.hidden_size, CONFIG.vocab_size
 # One program per shape instead of one per primitive: much faster on few CPU cores.
@@ -365,8 +370,7 @@ def test_harvest_features_equal_unpadded_forward(policy):
 
 def test_training_reduces_loss_and_checkpoint_resumes(train_buffer, embed_head, tmp_path):
     embed, head = embed_head
-    config = DrafterTrainConfig(learning_rate=3e-3, schedule="constant", warmup_steps=2,
-                                batch_rows=2, row_len=64, weight_decay=0.01)  # fmt: skip
+    config = DrafterTrainConfig(optim=FAST_OPTIM, batch_rows=2, row_len=64)
     step_fn = make_train_step(CONFIG, config)
     state = init_train_state(random_drafter(4).params_dict(), config)
     eval_batch = train_buffer.sample_batch(np.random.default_rng(99), 2, 64)
@@ -436,13 +440,28 @@ def test_export_round_trip(model_type, embed_head, tmp_path):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("learning_rate", -1.0), ("schedule", "linear"), ("batch_rows", 0), ("b2", 1.0),
-     ("grad_clip", -0.5), ("loss_token_chunk", 0), ("window", 2.5), ("unroll_steps", 0),
-     ("unroll_decay", 0.0)],
+    [("batch_rows", 0), ("loss_token_chunk", 0), ("window", 2.5), ("unroll_steps", 0),
+     ("unroll_decay", 0.0), ("total_steps", 50)],
 )  # fmt: skip
 def test_train_config_validation_names_field(field, value):
-    with pytest.raises(ValueError, match=rf"{field}={value!r}".replace(".", r"\.")):
+    # total_steps=50 is under the default optimizer's 100 warm-up steps (cosine).
+    name = "optim.warmup_steps=100 must be < total_steps=50" if field == "total_steps" else (
+        rf"{field}={value!r}".replace(".", r"\."))  # fmt: skip
+    with pytest.raises(ValueError, match=name):
         DrafterTrainConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value", [("learning_rate", -1.0), ("schedule", "step"), ("b2", 1.0),
+                     ("grad_clip", -0.5)])  # fmt: skip
+def test_the_drafter_optimizer_is_the_rl_optimizer_config(field, value):
+    """One optimizer config for both trainers: the drafter's errors are `OptimConfig`'s."""
+    assert isinstance(DrafterTrainConfig().optim, OptimConfig)
+    with pytest.raises(ValueError, match=re.escape(f"optim.{field}={value!r}")):
+        DrafterTrainConfig(optim=dataclasses.replace(DrafterTrainConfig().optim,
+                                                     **{field: value}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"optim\.learning_rate=0\.0 must be > 0"):
+        DrafterTrainConfig(optim=OptimConfig(learning_rate=0.0))
 
 
 def test_param_shardings_on_fake_mesh():
@@ -484,8 +503,8 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(5)))
     # The training test's settings and shapes: its programs come from the compilation cache.
-    train = DrafterTrainConfig(learning_rate=3e-3, schedule="constant", warmup_steps=2,
-                               batch_rows=2, row_len=64, window=32, checkpoint_every=2)  # fmt: skip
+    train = DrafterTrainConfig(optim=FAST_OPTIM, batch_rows=2, row_len=64, window=32,
+                               checkpoint_every=2)  # fmt: skip
     config = warmup.WarmupConfig(prompts=str(prompts), workdir=str(tmp_path / "work"),
                                  instruction="", max_new_tokens=20, harvest_batch=8,
                                  train=train)  # fmt: skip

@@ -1,12 +1,76 @@
-"""The optimizer both trainers use (policy and drafter): warm-up + decay schedule, AdamW with
-weight decay on matrices only, after global-norm clipping."""
+"""The optimizer both trainers use (policy and drafter): one config (`OptimConfig`, the RL
+run's `optim` group and the drafter trainer's `optim` field), warm-up + decay schedule, AdamW
+with weight decay on matrices only, after global-norm clipping."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import optax
 
 SCHEDULES = ("constant", "cosine", "linear")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW after global-norm clipping, with a schedule (errors name `optim.<field>`).
+
+    `schedule`: `constant` (after linear warm-up), `cosine` (warm-up then cosine decay to
+    `end_lr_ratio * learning_rate` at the trainer's horizon: the RL run's optimizer updates,
+    the drafter's `total_steps`) or `linear` (the same, decaying linearly). `grad_clip` 0
+    disables clipping; weight decay applies to matrices only.
+    """
+
+    learning_rate: float = 1e-6
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    end_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        def number(name: str, low: float, high: float | None = None, *, open_high=False):
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value) and value >= low
+            if high is not None:
+                ok = ok and (value < high if open_high else value <= high)
+            bound = "" if high is None else f" and {'<' if open_high else '<='} {high}"
+            _check(ok, f"optim.{name}={value!r} must be a finite number >= {low}{bound}")
+
+        number("learning_rate", 0.0)
+        _check(self.schedule in SCHEDULES,
+               f"optim.schedule={self.schedule!r} is not one of {list(SCHEDULES)}")  # fmt: skip
+        w = self.warmup_steps
+        _check(isinstance(w, int) and not isinstance(w, bool) and w >= 0,
+               f"optim.warmup_steps={w!r} must be an integer >= 0")  # fmt: skip
+        number("b1", 0.0, 1.0, open_high=True)
+        number("b2", 0.0, 1.0, open_high=True)
+        number("end_lr_ratio", 0.0, 1.0)
+        for name in ("eps", "weight_decay", "grad_clip"):
+            number(name, 0.0)
+
+    def schedule_fn(self, total_steps: int) -> optax.Schedule:
+        """The learning rate by optimizer step, over a horizon of `total_steps` steps."""
+        return learning_rate_schedule(
+            self.learning_rate, schedule=self.schedule, warmup_steps=self.warmup_steps,
+            total_steps=total_steps, end_lr_ratio=self.end_lr_ratio,
+        )  # fmt: skip
+
+    def optimizer(self, total_steps: int) -> optax.GradientTransformation:
+        """AdamW on `schedule_fn(total_steps)`."""
+        return adamw(self.schedule_fn(total_steps), b1=self.b1, b2=self.b2, eps=self.eps,
+                     weight_decay=self.weight_decay, grad_clip=self.grad_clip)  # fmt: skip
 
 
 def learning_rate_schedule(

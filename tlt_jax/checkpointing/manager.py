@@ -1,6 +1,7 @@
-"""Orbax checkpoints of an RL run: train state, data position and config, saved together.
+"""Orbax checkpoints, one module for both trainers: an RL run's (`RunCheckpointer`) and drafter
+training's (`DrafterCheckpointer`).
 
-A checkpoint at step k holds, as three items of one orbax step directory:
+An RL run's checkpoint at step k holds, as three items of one orbax step directory:
 - `state`: the `TrainState` pytree (policy params, optimizer state, step, RNG key data);
 - `data`: the prompt iterator's position (`{"epoch", "index"}`, JSON);
 - `config`: the run's `TrainConfig.to_dict()` (JSON), for the record and for resume checks;
@@ -14,6 +15,10 @@ Saves are asynchronous (device arrays are copied to host before `save` returns; 
 written in the background) and atomic: orbax writes into a temporary directory and renames it
 when every item is complete, so a crash mid-save leaves the previous checkpoint the latest
 restorable one; leftover temporary directories are removed when the manager is next opened.
+
+A drafter checkpoint (offline warm-up) holds the `DrafterTrainState` and the drafter's
+architecture (JSON), so resuming with another drafter fails loudly; never the policy's
+embedding or head.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.drafter import drafter_config
 from tlt_jax.programs import abstract_like
 
 
@@ -42,7 +49,28 @@ class Restored:
     drafter: Any = None
 
 
-class RunCheckpointer:
+class _Checkpointer:
+    """What both checkpointers share: one orbax `CheckpointManager` under `directory`."""
+
+    directory: Path
+    _manager: ocp.CheckpointManager
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Blocks until pending asynchronous saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+class RunCheckpointer(_Checkpointer):
     """Keeps the last `max_to_keep` checkpoints of one run under `directory`."""
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
@@ -70,12 +98,6 @@ class RunCheckpointer:
             multiprocessing_options=multiprocessing,
         )  # fmt: skip
         self._manager = ocp.CheckpointManager(self.directory, options=options)
-
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
-    def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
 
     def save(self, step: int, state: Any, data_position: dict[str, int],
              config: dict[str, Any], extra: dict[str, Any] | None = None, *,
@@ -133,10 +155,56 @@ class RunCheckpointer:
             return tree
         return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like))
 
-    def wait(self) -> None:
-        """Blocks until pending asynchronous saves are on disk."""
-        self._manager.wait_until_finished()
 
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+class DrafterCheckpointer(_Checkpointer):
+    """Orbax checkpoints of a `DrafterTrainState` only (never the policy's embed / head).
+
+    Every `save_every` steps (or when forced), keeping the last `keep`; each checkpoint also
+    records the drafter's architecture so a mismatched resume fails loudly.
+    """
+
+    def __init__(self, directory: str | os.PathLike, target_config: ModelConfig, *,
+                 keep: int = 3, save_every: int = 1, async_save: bool = True):  # fmt: skip
+        self.directory = Path(directory).expanduser().absolute()
+        self._metadata = drafter_config(target_config).to_hf_dict()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, save_interval_steps=save_every, create=True,
+            enable_async_checkpointing=async_save,
+        )  # fmt: skip
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, state: Any, *, force: bool = False) -> bool:
+        """Starts saving `state` at its step if due (or `force`); returns whether it saves."""
+        step = int(jax.device_get(state.step))
+        if step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self._metadata)
+        )
+        return self._manager.save(step, args=args, force=force)
+
+    def restore(self, like: Any, step: int | None = None) -> Any:
+        """The checkpointed state (latest unless `step`), laid out like `like`; None if none.
+
+        `like` may be abstract (`jax.eval_shape` of the initial state); leaves without a
+        sharding are restored onto the default device.
+
+        Raises:
+          ValueError: when the checkpoint belongs to a different drafter architecture.
+        """
+        step = self._manager.latest_step() if step is None else step
+        if step is None:
+            return None
+        default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=getattr(x, "sharding", None) or default), like)  # fmt: skip
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), config=ocp.args.JsonRestore()))  # fmt: skip
+        if restored.config != self._metadata:
+            diff = {k: (restored.config.get(k), v) for k, v in self._metadata.items()
+                    if restored.config.get(k) != v}  # fmt: skip
+            raise ValueError(
+                f"checkpoint {self.directory}/{step} is for another drafter: "
+                f"(checkpoint, expected) differ at {diff}"
+            )
+        return restored.state

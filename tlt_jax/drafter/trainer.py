@@ -1,50 +1,47 @@
-"""Drafter training: typed config, train state, jitted EAGLE step, orbax checkpoints.
+"""Drafter training: typed config, train state, jitted EAGLE step.
 
 Only the drafter's own parameters (fc and its one layer), the optimizer state and the step are
-trained and checkpointed; the policy's embedding and LM head enter every step as frozen inputs
-(no gradient) and are never saved here (TLT's "selective" checkpoints). Saves are asynchronous
-(orbax copies device arrays to host before `save` returns, then writes in the background).
+trained and checkpointed (`tlt_jax.checkpointing.DrafterCheckpointer`); the policy's embedding
+and LM head enter every step as frozen inputs (no gradient) and are never saved with it (TLT's
+"selective" checkpoints).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from tlt_jax import optim
 from tlt_jax.drafter.data import DrafterBatch, DrafterBuffer
 from tlt_jax.drafter.loss import EagleInputs, eagle_inputs, eagle_loss
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter, DrafterParams, drafter_config, drafter_forward
 from tlt_jax.models.transformer import KVCache, segment_causal_mask
+from tlt_jax.optim import OptimConfig
 from tlt_jax.parallel import sharding as sharding_lib
 
-SCHEDULES = ("cosine", "constant")
+# EAGLE / TLT's drafter optimizer: AdamW(0.9, 0.95), decay 0.01 on matrices, clip 1.0,
+# warm-up then cosine decay to 10% of 5e-5 over `total_steps`.
+DRAFTER_OPTIM = OptimConfig(learning_rate=5e-5, schedule="cosine", warmup_steps=100, b2=0.95,
+                            weight_decay=0.01, grad_clip=1.0)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class DrafterTrainConfig:
-    """Optimiser, loss and batch settings of drafter training (defaults: TLT / EAGLE)."""
+    """Optimiser, loss and batch settings of drafter training (defaults: TLT / EAGLE).
 
-    learning_rate: float = 5e-5
-    schedule: str = "cosine"  # linear warm-up, then cosine decay to end_lr_ratio; or constant
-    warmup_steps: int = 100
-    total_steps: int = 10_000  # the cosine horizon (warm-up included)
-    end_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    weight_decay: float = 0.01  # on matrices only, not on norms or biases
-    grad_clip: float = 1.0
+    `optim` is the RL trainer's optimizer config (`tlt_jax.optim.OptimConfig`), one for both
+    trainers; `total_steps` is its schedule's horizon.
+    """
+
+    optim: OptimConfig = DRAFTER_OPTIM
+    total_steps: int = 10_000  # the schedule's horizon (warm-up included)
     vloss_weight: float = 1.0
     ploss_weight: float = 0.1
     window: int = 512
@@ -62,31 +59,25 @@ class DrafterTrainConfig:
     keep_checkpoints: int = 3
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r} is not one of {list(SCHEDULES)}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate={self.learning_rate!r} must be > 0")
-        for name in ("weight_decay", "vloss_weight", "ploss_weight", "grad_clip"):
+        if not isinstance(self.optim, OptimConfig):
+            raise ValueError(f"optim={self.optim!r} must be an OptimConfig")
+        if not self.optim.learning_rate > 0:
+            raise ValueError(f"optim.learning_rate={self.optim.learning_rate!r} must be > 0")
+        for name in ("vloss_weight", "ploss_weight"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
         if self.vloss_weight == 0 and self.ploss_weight == 0:
             raise ValueError("vloss_weight=0 and ploss_weight=0: at least one must be > 0")
-        for name in ("b1", "b2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
-        if not 0 <= self.end_lr_ratio <= 1:
-            raise ValueError(f"end_lr_ratio={self.end_lr_ratio!r} must be in [0, 1]")
-        for name in ("warmup_steps", "prompt_context"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 0")
+        if not isinstance(self.prompt_context, int) or self.prompt_context < 0:
+            raise ValueError(f"prompt_context={self.prompt_context!r} must be an integer >= 0")
         for name in ("total_steps", "window", "batch_rows", "row_len", "buffer_steps",
                      "checkpoint_every", "keep_checkpoints", "unroll_steps"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 1")
-        if self.schedule == "cosine" and self.warmup_steps >= self.total_steps:
+        if self.optim.schedule != "constant" and self.optim.warmup_steps >= self.total_steps:
             raise ValueError(
-                f"warmup_steps={self.warmup_steps} must be < total_steps={self.total_steps} "
-                "for the cosine schedule"
+                f"optim.warmup_steps={self.optim.warmup_steps} must be < total_steps="
+                f"{self.total_steps} for the {self.optim.schedule} schedule"
             )
         if not 0 < self.unroll_decay <= 1:
             raise ValueError(f"unroll_decay={self.unroll_decay!r} must be in (0, 1]")
@@ -104,19 +95,13 @@ class DrafterTrainState:
 
 
 def learning_rate_schedule(config: DrafterTrainConfig) -> optax.Schedule:
-    """Linear warm-up, then constant or cosine decay to `end_lr_ratio` at `total_steps`."""
-    return optim.learning_rate_schedule(
-        config.learning_rate, schedule=config.schedule, warmup_steps=config.warmup_steps,
-        total_steps=config.total_steps, end_lr_ratio=config.end_lr_ratio,
-    )  # fmt: skip
+    """`config.optim`'s schedule over `config.total_steps`."""
+    return config.optim.schedule_fn(config.total_steps)
 
 
 def make_optimizer(config: DrafterTrainConfig) -> optax.GradientTransformation:
-    """AdamW(b1, b2, weight decay on matrices) after global-norm clipping."""
-    return optim.adamw(
-        learning_rate_schedule(config), b1=config.b1, b2=config.b2,
-        weight_decay=config.weight_decay, grad_clip=config.grad_clip,
-    )  # fmt: skip
+    """`config.optim`'s AdamW (the RL trainer's optimizer) over `config.total_steps`."""
+    return config.optim.optimizer(config.total_steps)
 
 
 def init_train_state(params: DrafterParams, config: DrafterTrainConfig) -> DrafterTrainState:
@@ -250,90 +235,3 @@ def make_train_step(
         return DrafterTrainState(params, opt_state, state.step + 1), metrics
 
     return jax.jit(train_step, donate_argnums=0 if donate else ())
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _config_metadata(target_config: ModelConfig) -> dict[str, Any]:
-    return drafter_config(target_config).to_hf_dict()
-
-
-class DrafterCheckpointer:
-    """Orbax checkpoints of `DrafterTrainState` only (never the policy's embed / head).
-
-    Every `checkpoint_every` steps (or when forced), keeping the last `keep_checkpoints`; each
-    checkpoint also records the drafter's architecture so a mismatched resume fails loudly.
-    """
-
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        target_config: ModelConfig,
-        *,
-        keep: int = 3,
-        save_every: int = 1,
-        async_save: bool = True,
-    ):
-        self.directory = Path(directory).expanduser().absolute()
-        self._metadata = _config_metadata(target_config)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, save_interval_steps=save_every, create=True,
-            enable_async_checkpointing=async_save,
-        )  # fmt: skip
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
-
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
-    def save(self, state: DrafterTrainState, *, force: bool = False) -> bool:
-        """Starts saving `state` at its step if due (or `force`); returns whether it saves."""
-        step = int(jax.device_get(state.step))
-        if step in self._manager.all_steps():
-            return False
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self._metadata)
-        )
-        return self._manager.save(step, args=args, force=force)
-
-    def restore(self, like: DrafterTrainState, step: int | None = None) -> DrafterTrainState | None:
-        """The checkpointed state (latest unless `step`), laid out like `like`; None if none.
-
-        `like` may be abstract (`jax.eval_shape` of the initial state); leaves without a
-        sharding are restored onto the default device.
-
-        Raises:
-          ValueError: when the checkpoint belongs to a different drafter architecture.
-        """
-        step = self._manager.latest_step() if step is None else step
-        if step is None:
-            return None
-        default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=getattr(x, "sharding", None) or default
-            ),
-            like,
-        )
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), config=ocp.args.JsonRestore()
-            ),
-        )
-        if restored.config != self._metadata:
-            diff = {k: (restored.config.get(k), v) for k, v in self._metadata.items()
-                    if restored.config.get(k) != v}  # fmt: skip
-            raise ValueError(
-                f"checkpoint {self.directory}/{step} is for another drafter: "
-                f"(checkpoint, expected) differ at {diff}"
-            )
-        return restored.state
-
-    def wait(self) -> None:
-        """Blocks until pending asynchronous saves are on disk."""
-        self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()

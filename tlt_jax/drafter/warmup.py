@@ -20,22 +20,27 @@ import dataclasses
 import json
 import logging
 import os
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import tqdm
 from flax import nnx
+from ml_collections import config_dict
 
+from tlt_jax.checkpointing.manager import DrafterCheckpointer
 from tlt_jax.data.pipeline import DEFAULT_INSTRUCTION, read_prompt_rows
 from tlt_jax.data.tokenizer import PromptEncoder, Tokenizer, stop_token_ids
 from tlt_jax.drafter.data import DrafterBuffer
 from tlt_jax.drafter.export import export_eagle
 from tlt_jax.drafter.hot_vocab import count_tokens, hot_token_ids, save_hot_vocab
 from tlt_jax.drafter.trainer import (
-    DrafterCheckpointer,
     DrafterTrainConfig,
     DrafterTrainState,
     init_train_state,
@@ -44,6 +49,7 @@ from tlt_jax.drafter.trainer import (
 )
 from tlt_jax.models.drafter import init_drafter
 from tlt_jax.models.transformer import Transformer
+from tlt_jax.optim import OptimConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +87,67 @@ class WarmupConfig:
         ):
             raise ValueError(f"hot_vocab_size={self.hot_vocab_size!r} must be an integer >= 1 "
                              "or None (full vocabulary)")  # fmt: skip
+
+
+# -- config files (`scripts/train_drafter.py --config`, like `train.py`'s) --------------------
+
+# Fields of a config file besides `WarmupConfig`'s (the workdir is a flag, as for train.py).
+SCRIPT_FIELDS = {"model": "", "dtype": ""}
+_NESTED = {"train": DrafterTrainConfig, "optim": OptimConfig}
+
+
+def _as_config_dict(instance) -> ml_collections.ConfigDict:
+    """A dataclass instance's fields as a ConfigDict (nested configs nested; None values as
+    typed placeholders, so `--config.x=...` parses)."""
+    hints = typing.get_type_hints(type(instance))
+    out = ml_collections.ConfigDict()
+    for field in dataclasses.fields(instance):
+        value = getattr(instance, field.name)
+        if dataclasses.is_dataclass(value):
+            out[field.name] = _as_config_dict(value)
+        elif value is None:
+            hint = hints[field.name]
+            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+                hint = next(t for t in typing.get_args(hint) if t is not type(None))
+            out[field.name] = config_dict.placeholder(hint)
+        else:
+            out[field.name] = value
+    return out
+
+
+def default_config_dict() -> ml_collections.ConfigDict:
+    """Every warm-up field at its default (drafter training's and its optimizer's nested), plus
+    `model` and `dtype`: what drafter config files start from."""
+    c = _as_config_dict(WarmupConfig(prompts="", workdir=""))
+    del c["workdir"]
+    for name, value in SCRIPT_FIELDS.items():
+        c[name] = value
+    return c
+
+
+def _build(cls, raw: dict[str, Any], where: str):
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ValueError(f"{where}{unknown[0]} is not a field; expected one of {sorted(allowed)}")
+    values = {k: _build(_NESTED[k], dict(v), f"{where}{k}.") if k in _NESTED else v
+              for k, v in raw.items()}  # fmt: skip
+    return cls(**values)
+
+
+def config_from_dict(config: Any, workdir: str) -> tuple[WarmupConfig, dict[str, str]]:
+    """(`WarmupConfig`, the script fields `model` / `dtype`) of a config file's ConfigDict.
+
+    Raises:
+      ValueError: naming an unknown field (with the allowed ones) or an invalid value.
+    """
+    raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    script = {k: raw.pop(k, v) for k, v in SCRIPT_FIELDS.items()}
+    if not script["model"]:
+        raise ValueError("model='' : set the policy (HF directory, .gguf or short name)")
+    if not raw.get("prompts"):
+        raise ValueError("prompts='' : set --config.prompts to a JSONL of questions")
+    return _build(WarmupConfig, {**raw, "workdir": workdir}, ""), script
 
 
 def load_prompt_ids(config: WarmupConfig, tokenizer: Tokenizer) -> list[list[int]]:

@@ -36,7 +36,7 @@ from ml_collections import config_dict
 from tlt_jax.data.pipeline import DataConfig
 from tlt_jax.models.config import DTYPES
 from tlt_jax.models.presets import PRESETS
-from tlt_jax.optim import SCHEDULES
+from tlt_jax.optim import OptimConfig
 from tlt_jax.rl.algorithms import AlgorithmConfig
 from tlt_jax.rl.rewards import REWARD_FUNCTIONS, RewardFunction
 from tlt_jax.rl.spot import SpotConfig
@@ -228,44 +228,6 @@ class RLConfig:
     @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.group_size
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """The `optim` group: AdamW after global-norm clipping, with a schedule.
-
-    `schedule`: `constant` (after linear warm-up), `cosine` (warm-up then cosine decay to
-    `end_lr_ratio * learning_rate` at `total_steps` optimizer updates) or `linear` (the same,
-    decaying linearly).
-    """
-
-    learning_rate: float = 1e-6
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    end_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-
-    def __post_init__(self):
-        _finite_at_least("optim", "learning_rate", self.learning_rate, 0.0)
-        _require(
-            self.schedule in SCHEDULES,
-            f"optim.schedule={self.schedule!r} is not one of {list(SCHEDULES)}",
-        )
-        _positive_int("optim", "warmup_steps", self.warmup_steps, minimum=0)
-        for name in ("b1", "b2", "end_lr_ratio"):
-            value = getattr(self, name)
-            _require(
-                isinstance(value, int | float) and 0 <= value <= 1 and (name == "end_lr_ratio"
-                                                                       or value < 1),
-                f"optim.{name}={value!r} must be in [0, {'1]' if name == 'end_lr_ratio' else '1)'}",
-            )  # fmt: skip
-        _finite_at_least("optim", "eps", self.eps, 0.0)
-        _finite_at_least("optim", "weight_decay", self.weight_decay, 0.0)
-        _finite_at_least("optim", "grad_clip", self.grad_clip, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.drafter.online import OnlineDrafter
-from tlt_jax.drafter.trainer import DrafterTrainConfig
+from tlt_jax.drafter.trainer import DRAFTER_OPTIM, DrafterTrainConfig
 from tlt_jax.parallel.distributed import ProcessGroup
 from tlt_jax.parallel.scheduler import RolloutSlice
 from tlt_jax.programs import ProgramPool
@@ -80,9 +80,10 @@ class SpotConfig:
         self.train_config()  # the remaining checks (learning rate, loss weights)
 
     def train_config(self) -> DrafterTrainConfig:
+        optim = dataclasses.replace(DRAFTER_OPTIM, learning_rate=self.learning_rate,
+                                    schedule="constant", warmup_steps=self.warmup_steps)
         return DrafterTrainConfig(
-            learning_rate=self.learning_rate, schedule="constant",
-            warmup_steps=self.warmup_steps, total_steps=self.warmup_steps + 1,
+            optim=optim, total_steps=self.warmup_steps + 1,
             ploss_weight=self.ploss_weight, window=self.window,
             prompt_context=self.prompt_context, batch_rows=self.batch_rows,
             row_len=self.row_len, buffer_steps=self.buffer_steps,

@@ -45,11 +45,11 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from tlt_jax import optim
 from tlt_jax.models.transformer import KVCache, PackedMask
+from tlt_jax.optim import OptimConfig
 from tlt_jax.programs import abstract_like
 from tlt_jax.rl import algorithms
-from tlt_jax.rl.config import OptimConfig, RLConfig
+from tlt_jax.rl.config import RLConfig
 
 # Weighted sums kept in the gradient accumulator besides the gradients themselves.
 ACCUMULATED_METRICS = (
@@ -106,18 +106,12 @@ class LossInputs:
 
 def learning_rate_schedule(config: OptimConfig, total_updates: int) -> optax.Schedule:
     """Linear warm-up, then constant, cosine or linear decay over `total_updates`."""
-    return optim.learning_rate_schedule(
-        config.learning_rate, schedule=config.schedule, warmup_steps=config.warmup_steps,
-        total_steps=total_updates, end_lr_ratio=config.end_lr_ratio,
-    )  # fmt: skip
+    return config.schedule_fn(total_updates)
 
 
 def make_optimizer(config: OptimConfig, total_updates: int) -> optax.GradientTransformation:
     """AdamW (decay on matrices only) after global-norm clipping (`grad_clip` 0 disables it)."""
-    return optim.adamw(
-        learning_rate_schedule(config, total_updates), b1=config.b1, b2=config.b2,
-        eps=config.eps, weight_decay=config.weight_decay, grad_clip=config.grad_clip,
-    )  # fmt: skip
+    return config.optimizer(total_updates)
 
 
 def init_train_state(params: nnx.State, optimizer: optax.GradientTransformation, seed: int
