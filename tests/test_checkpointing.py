@@ -123,3 +123,59 @@ def test_kill_9_and_resume_repeats_the_uninterrupted_run(tmp_path):
     resumed_from = int(resumed.stdout.split("resumed from ")[1].split(")")[0])
     assert 3 <= resumed_from <= done_before_kill and resumed_from % 3 == 0
     assert _records(killed) == expected
+
+
+# Spot training with exactly 2 drafter steps per RL step (the drafter evolves the same way
+# whatever the timing) and top_k = 1 (SD emits the argmax whatever the drafts): the drafter's
+# losses, versions and steps are as deterministic as the policy's metrics.
+SPOT_OVERRIDES = {
+    "total_steps": 6, "checkpoint_every": 2, "eval.num_problems": 0, "plot_every": 100,
+    "rl.reward_fn": "rl_testing:slow_mean_byte_reward", "rollout.max_new_tokens": 24,
+    "rollout.top_k": 1, "spot.exact_steps_per_rl_step": 2,
+}  # fmt: skip
+SPOT_DETERMINISTIC = DETERMINISTIC + ("drafter_version", "drafter_steps", "drafter_loss",
+                                      "drafter_accuracy")  # fmt: skip
+
+
+def _spot_command(workdir):
+    flags = [f"--config.{key}={value}" for key, value in SPOT_OVERRIDES.items()]
+    return [sys.executable, "scripts/train.py", "--config", "configs/tiny.py:tlt",
+            "--workdir", str(workdir), *flags]  # fmt: skip
+
+
+def test_kill_9_with_spot_training_resumes_the_drafter_too(tmp_path):
+    """configs/tiny.py:tlt (adaptive SD, two slices, the drafter spot-trained from a cold
+    start), two CPU devices per process: kill -9 mid-run, resume, and every step's policy and
+    drafter metrics equal the uninterrupted run's."""
+    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    done = subprocess.run(_spot_command(whole), cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def records(workdir):
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+        return [{k: json.loads(line).get(k) for k in SPOT_DETERMINISTIC} for line in lines]
+
+    expected = records(whole)
+    assert [r["step"] for r in expected] == list(range(1, 7))
+    assert expected[-1]["drafter_version"] >= 3 and expected[-1]["drafter_steps"] == 2
+
+    process = subprocess.Popen(_spot_command(killed), cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    metrics = killed / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    done_before_kill = len(metrics.read_text().splitlines())
+    assert 3 <= done_before_kill < 6
+    resumed = subprocess.run(_spot_command(killed), cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=400)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed_from = int(resumed.stdout.split("resumed from ")[1].split(")")[0])
+    assert 2 <= resumed_from <= done_before_kill
+    assert records(killed) == expected

@@ -60,6 +60,8 @@ def _engine(device) -> RolloutEngine:
 class _Recorder:
     """A trainable that sleeps per step and records where and when its steps started."""
 
+    exact_steps = 0
+
     def __init__(self, fail: bool = False):
         self.fail = fail
         self.steps: list[tuple[int, bool]] = []
@@ -106,6 +108,36 @@ def test_the_first_idle_slice_trains_until_the_last_one_finishes(two_slices):
     m = report.metrics()
     assert 0 < m["spot_reclaimed_share"] <= 1 and m["spot_idle_slice_s"] > 0
     assert all(s.state == SliceState.IDLE for s in two_slices)
+
+
+class _Exact(_Recorder):
+    """Exact steps, with no data until the rollout ended (so no idle window is used)."""
+
+    exact_steps = 3
+
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+
+    def ready(self) -> bool:
+        self.asked += 1
+        return self.asked > 1
+
+    def train_on(self, slice_, stop: threading.Event, on_step) -> int:
+        for _ in range(self.exact_steps):  # SpotTrainer ignores the stop in exact mode
+            self.steps.append((slice_.index, stop.is_set()))
+            on_step(0.001)
+        return self.exact_steps
+
+
+def test_exact_steps_run_after_the_rollout_when_no_idle_window_held_them(two_slices):
+    trainable = _Exact()
+    out, report = SpotScheduler(two_slices, trainable).rollout(
+        [_requests(1, 2), _requests(2, 12)])  # fmt: skip
+    assert report.drafter_steps == 3 and trainable.asked == 2
+    assert report.trainer_slice == 0  # the first slice to finish
+    assert all(stopped for _, stopped in trainable.steps)  # after the rollout's end
+    assert [len(c.token_ids) for c in out[1]] == [12] * 2
 
 
 def test_a_failing_trainer_never_stops_the_rollout(two_slices):
@@ -223,3 +255,25 @@ def test_bench_spot_compares_the_same_rollouts_with_spot_training_off_and_on(tmp
     assert len(result["straggler_s_off"]) == len(result["straggler_s_on"]) == 2
     assert len(result["straggler_slowdown_per_round"]) == 2
     assert 0 <= result["reclaimed_idle_share"]["max"] <= 1
+
+
+def test_drafter_buffer_round_trips_through_host_arrays():
+    """What the run checkpoint stores of the buffer: its recent samples, bfloat16 bit-exact."""
+    from tlt_jax.drafter.data import DrafterBuffer
+
+    rng = np.random.default_rng(3)
+    buffer = DrafterBuffer(last_n_steps=2, window=16, prompt_context=4)
+    for step in (1, 2, 3):
+        buffer.add(*_samples(rng, 3, 8), step=step)
+    arrays = buffer.to_arrays()
+    assert arrays["features"].dtype == np.uint16 and set(arrays["steps"]) == {2, 3}
+    assert buffer.to_arrays(max_bytes=10) is None  # over the limit: left out
+    other = DrafterBuffer(last_n_steps=2, window=16, prompt_context=4)
+    other.load_arrays(arrays)
+    assert other.latest_step == 3
+    for a, b in zip(buffer.recent_samples(), other.recent_samples(), strict=True):
+        np.testing.assert_array_equal(a.tokens_T, b.tokens_T)
+        np.testing.assert_array_equal(a.features_TxD, b.features_TxD)
+        np.testing.assert_array_equal(a.response_mask_T, b.response_mask_T)
+        assert a.step == b.step
+    assert DrafterBuffer().to_arrays() is None

@@ -9,7 +9,8 @@ An RL run's checkpoint at step k holds, as three items of one orbax step directo
   random streams, the online drafter's counters); checkpoints written before it existed
   restore with `extra == {}`;
 - `drafter` (runs that train the drafter online): its `DrafterTrainState` (params, optimizer
-  state, step).
+  state, step); `drafter_buffer`: the recent samples it trains on (flat host arrays), so a
+  resumed run trains on what the uninterrupted one would.
 
 Saves are asynchronous (device arrays are copied to host before `save` returns; files are
 written in the background) and atomic: orbax writes into a temporary directory and renames it
@@ -47,6 +48,7 @@ class Restored:
     config: dict[str, Any]
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     drafter: Any = None
+    drafter_buffer: dict[str, np.ndarray] | None = None
 
 
 class _Checkpointer:
@@ -101,7 +103,7 @@ class RunCheckpointer(_Checkpointer):
 
     def save(self, step: int, state: Any, data_position: dict[str, int],
              config: dict[str, Any], extra: dict[str, Any] | None = None, *,
-             drafter: Any = None) -> bool:  # fmt: skip
+             drafter: Any = None, drafter_buffer: dict | None = None) -> bool:  # fmt: skip
         """Starts saving (returns before the files are written when async). False if present."""
         if step in self._manager.all_steps():
             return False
@@ -115,6 +117,8 @@ class RunCheckpointer(_Checkpointer):
         )
         if drafter is not None:
             items["drafter"] = ocp.args.StandardSave(drafter)
+        if drafter_buffer is not None:
+            items["drafter_buffer"] = ocp.args.StandardSave(drafter_buffer)
         return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def restore(self, like: Any, step: int | None = None, *, drafter_like: Any = None
@@ -139,11 +143,17 @@ class RunCheckpointer(_Checkpointer):
         has_drafter = drafter_like is not None and (self.directory / str(step) / "drafter").exists()
         if has_drafter:
             items["drafter"] = ocp.args.StandardRestore(self._target(drafter_like))
+        has_buffer = has_drafter and (self.directory / str(step) / "drafter_buffer").exists()
+        if has_buffer:  # host arrays of the shapes they were saved with
+            items["drafter_buffer"] = ocp.args.StandardRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         extra = dict(restored.extra) if has_extra else {}
         state = self._placed(restored.state, like)
         drafter = self._placed(restored.drafter, drafter_like) if has_drafter else None
-        return Restored(step, state, dict(restored.data), dict(restored.config), extra, drafter)
+        buffer = ({k: np.asarray(v) for k, v in restored.drafter_buffer.items()}
+                  if has_buffer else None)  # fmt: skip
+        return Restored(step, state, dict(restored.data), dict(restored.config), extra, drafter,
+                        buffer)  # fmt: skip
 
     def _target(self, like):
         if self._process_local:  # restored as host arrays, then placed like `like`

@@ -229,6 +229,43 @@ class DrafterBuffer:
                 self._latest_step = int(step)
         return len(stored)
 
+    def to_arrays(self, max_bytes: int | None = None) -> dict[str, np.ndarray] | None:
+        """The recent samples as flat host arrays (what a run checkpoint stores, so a resumed
+        run trains on the same data); None when empty or over `max_bytes`. bfloat16 features
+        travel as their uint16 bits."""
+        samples = self.recent_samples()
+        if not samples:
+            return None
+        features = np.concatenate([s.features_TxD for s in samples])
+        if max_bytes is not None and features.nbytes > max_bytes:
+            return None
+        if features.dtype == jax.numpy.bfloat16:
+            features = features.view(np.uint16)
+        return {
+            "tokens": np.concatenate([s.tokens_T for s in samples]),
+            "features": features,
+            "response_mask": np.concatenate([s.response_mask_T for s in samples]),
+            "lengths": np.asarray([len(s.tokens_T) for s in samples], np.int64),
+            "steps": np.asarray([s.step for s in samples], np.int64),
+        }
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Replaces the contents with `to_arrays`' samples."""
+        features = np.asarray(arrays["features"])
+        if features.dtype == np.uint16:
+            features = features.view(jax.numpy.bfloat16)
+        ends = np.cumsum(arrays["lengths"])
+        starts = ends - np.asarray(arrays["lengths"])
+        samples = [Sample(tokens_T=np.asarray(arrays["tokens"][a:b], np.int32),
+                          features_TxD=features[a:b].astype(self.feature_dtype),
+                          response_mask_T=np.asarray(arrays["response_mask"][a:b], bool),
+                          step=int(step))
+                   for a, b, step in zip(starts, ends, arrays["steps"], strict=True)]  # fmt: skip
+        with self._lock:
+            self._samples.clear()
+            self._samples.extend(samples)
+            self._latest_step = max((s.step for s in samples), default=None)
+
     def recent_samples(self) -> list[Sample]:
         """The samples of the latest `last_n_steps` RL steps."""
         with self._lock:

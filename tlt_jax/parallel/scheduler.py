@@ -62,7 +62,13 @@ class RolloutSlice:
 
 
 class SpotTrainable(Protocol):
-    """What the scheduler trains on an idle slice (`tlt_jax.rl.spot.SpotTrainer`)."""
+    """What the scheduler trains on an idle slice (`tlt_jax.rl.spot.SpotTrainer`).
+
+    `exact_steps` > 0 asks for exactly that many steps per rollout: when no slice went idle
+    while another decoded, the trainer runs after the rollout on the first slice that finished.
+    """
+
+    exact_steps: int
 
     def ready(self) -> bool: ...
 
@@ -230,6 +236,14 @@ class SpotScheduler:
                 group.wait_for(f"done/{step}", p)
         report.rollout_s = time.perf_counter() - start
         stop.set()
+        if (trainer is None and self.trainable is not None and self.trainable.exact_steps
+                and not any(e is not None for e in errors) and self.trainable.ready()
+                and (group is None or group.claim(f"trainer/{step}"))):  # fmt: skip
+            first = min(range(len(finish)), key=finish.__getitem__)
+            report.trainer_slice = first
+            trainer = threading.Thread(target=train, args=(first,), name="drafter-exact",
+                                       daemon=True)  # fmt: skip
+            trainer.start()
         if trainer is not None:
             trainer.join()
             # Training inside the idle window; what ran past the rollout's end is the latency.

@@ -83,7 +83,8 @@ class RolloutSlices:
                                                 first_index=group.index * len(devices))  # fmt: skip
         trainable = None
         if self.online is not None:
-            trainable = spot_lib.SpotTrainer(self.online, cfg.spot.max_steps_per_rl_step)
+            trainable = spot_lib.SpotTrainer(self.online, cfg.spot.max_steps_per_rl_step,
+                                             cfg.spot.exact_steps_per_rl_step)  # fmt: skip
         self.scheduler = SpotScheduler(self.slices, trainable)
         self.threshold = 0
         self.last_timeline: list = []
@@ -201,19 +202,29 @@ class RolloutSlices:
 
     # -- checkpoints and export ------------------------------------------------------------
 
-    def state_dict(self) -> tuple[dict[str, Any], Any]:
-        """(host state for the checkpoint's `extra`, the drafter's train state or None)."""
+    def state_dict(self) -> tuple[dict[str, Any], Any, dict | None]:
+        """(host state for the checkpoint's `extra`, the drafter's train state or None, its
+        buffer's recent samples or None: absent, or over `spot.checkpoint_buffer_mb`)."""
         bandits = [s.engine.step_policy.state_dict() for s in self.slices]
         extra: dict[str, Any] = {"bandit": bandits[0], "bandits": bandits}
         if self.online is None:
-            return extra, None
+            return extra, None, None
         extra["drafter"] = self.online.state_dict()
-        return extra, self.online.state
+        limit = self.config.spot.checkpoint_buffer_mb * 2**20
+        buffer = self.online.buffer.to_arrays(max_bytes=limit) if limit else None
+        if buffer is None and limit and self.online.buffer.recent_samples():
+            log.warning("drafter buffer over spot.checkpoint_buffer_mb=%d: left out of the "
+                        "checkpoint; a resumed run's first step trains on nothing",
+                        self.config.spot.checkpoint_buffer_mb)  # fmt: skip
+        return extra, self.online.state, buffer
 
-    def load_drafter(self, extra: dict[str, Any], drafter_state) -> None:
-        """Restores the online drafter from a checkpoint and hands it to every slice."""
+    def load_drafter(self, extra: dict[str, Any], drafter_state, buffer=None) -> None:
+        """Restores the online drafter (and its buffer, when the checkpoint holds it) and
+        hands it to every slice."""
         if self.online is not None and drafter_state is not None:
             self.online.load_state_dict(extra["drafter"], drafter_state)
+            if buffer is not None:
+                self.online.buffer.load_arrays(buffer)
             spot_lib.push_drafter(self.online, self.slices)
 
     def export_drafter(self, workdir: Path) -> Path | None:

@@ -47,6 +47,14 @@ class SpotConfig:
         windows of the last `buffer_steps` RL steps' features).
       ploss_weight: weight of the token (soft cross-entropy) loss next to the feature loss.
       max_steps_per_rl_step: cap on drafter steps per RL step (0: until preempted).
+      exact_steps_per_rl_step: exactly this many drafter steps per RL step (0: as many as the
+        idle windows hold). For reproducible runs and side-by-side comparisons: the drafter
+        then evolves the same way whatever the timing, and the steps the idle window did not
+        hold run after the rollout (they add to the step time).
+      checkpoint_buffer_mb: the drafter buffer's recent samples go into the run checkpoint
+        when their features are at most this many MB (0: never), so a resumed run trains on
+        what the uninterrupted one would; larger buffers (long responses of big models) are
+        left out, and the first resumed step trains on nothing (a warning says so).
       export: write the drafter as an HF-EAGLE directory (`workdir/drafter`) at the end.
     """
 
@@ -61,6 +69,8 @@ class SpotConfig:
     buffer_steps: int = 2
     ploss_weight: float = 0.1
     max_steps_per_rl_step: int = 0
+    exact_steps_per_rl_step: int = 0
+    checkpoint_buffer_mb: int = 1024
     export: bool = True
 
     def __post_init__(self):
@@ -68,20 +78,29 @@ class SpotConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"spot.{name}={value!r} must be an integer >= 1")
-        for name in ("warmup_steps", "prompt_context", "max_steps_per_rl_step"):
+        for name in ("warmup_steps", "prompt_context", "max_steps_per_rl_step",
+                     "exact_steps_per_rl_step", "checkpoint_buffer_mb"):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"spot.{name}={value!r} must be an integer >= 0")
         if self.enabled and self.slices < 2:
             raise ValueError(f"spot.enabled=True needs spot.slices >= 2 (got {self.slices}): "
                              "a single slice is never idle while the rollout runs")  # fmt: skip
+        if self.exact_steps_per_rl_step and self.max_steps_per_rl_step:
+            raise ValueError(f"spot.exact_steps_per_rl_step={self.exact_steps_per_rl_step} "
+                             "is also the cap: leave spot.max_steps_per_rl_step at 0 (got "
+                             f"{self.max_steps_per_rl_step})")  # fmt: skip
         if self.window > self.row_len:
             raise ValueError(f"spot.window={self.window} must be <= spot.row_len={self.row_len}")
         self.train_config()  # the remaining checks (learning rate, loss weights)
 
     def train_config(self) -> DrafterTrainConfig:
-        optim = dataclasses.replace(DRAFTER_OPTIM, learning_rate=self.learning_rate,
-                                    schedule="constant", warmup_steps=self.warmup_steps)
+        optim = dataclasses.replace(
+            DRAFTER_OPTIM,
+            learning_rate=self.learning_rate,
+            schedule="constant",
+            warmup_steps=self.warmup_steps,
+        )
         return DrafterTrainConfig(
             optim=optim, total_steps=self.warmup_steps + 1,
             ploss_weight=self.ploss_weight, window=self.window,
@@ -287,9 +306,15 @@ def publish_drafter(online: OnlineDrafter, slices: Sequence[RolloutSlice]) -> di
 class SpotTrainer:
     """The scheduler's `SpotTrainable`: drafter steps against the idle slice's policy copy."""
 
-    def __init__(self, online: OnlineDrafter, max_steps: int = 0):
+    def __init__(self, online: OnlineDrafter, max_steps: int = 0, exact_steps: int = 0):
+        """
+        Args:
+          max_steps: at most this many drafter steps per RL step (0: until preempted).
+          exact_steps: exactly this many (0: off); preemption then waits for them.
+        """
         self.online = online
-        self.max_steps = max_steps
+        self.max_steps = exact_steps or max_steps
+        self.exact_steps = exact_steps
 
     def ready(self) -> bool:
         return self.online.ready()
@@ -297,6 +322,7 @@ class SpotTrainer:
     def train_on(self, slice_: RolloutSlice, stop: threading.Event, on_step) -> int:
         model = nnx.merge(slice_.engine.graphdef, slice_.engine.params)
         return self.online.train_on(
-            slice_.devices, model.embed.get_value(), model.head_weight_DxV(), stop,
+            slice_.devices, model.embed.get_value(), model.head_weight_DxV(),
+            threading.Event() if self.exact_steps else stop,  # exact: never preempted
             max_steps=self.max_steps, on_step=on_step,
         )  # fmt: skip

@@ -172,7 +172,7 @@ class Trainer:
         restored = self.checkpointer.restore(self.state, drafter_like=drafter_like)
         if restored is not None:
             self.state = restored.state
-            self.rollouts.load_drafter(restored.extra, restored.drafter)
+            self.rollouts.load_drafter(restored.extra, restored.drafter, restored.drafter_buffer)
             self.iterator.restore(restored.data_position)
             self.restored_from = restored.step
             changed = {k for k, v in cfg.to_dict().items() if restored.config.get(k) != v}
@@ -531,9 +531,10 @@ class Trainer:
     def save(self) -> None:
         if not self.group.is_primary:
             return
-        extra, drafter = self.rollouts.state_dict()
+        extra, drafter, buffer = self.rollouts.state_dict()
         self.checkpointer.save(self.step_count, self.state, self.iterator.state(),
-                               self.config.to_dict(), extra, drafter=drafter)  # fmt: skip
+                               self.config.to_dict(), extra, drafter=drafter,
+                               drafter_buffer=buffer)  # fmt: skip
 
     def export_drafter(self) -> Path | None:
         """The online drafter as an HF-EAGLE directory (`workdir/drafter`); None without one."""
