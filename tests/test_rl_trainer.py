@@ -255,6 +255,30 @@ def test_packed_and_padded_updates_agree_in_the_trainer(tmp_path):
         np.testing.assert_allclose(a, b, atol=2e-5)
 
 
+def test_a_trainer_on_a_mesh_lays_its_state_out_as_planned_and_steps_like_one_device(tmp_path):
+    """model.mesh_shape (2, 2): the train state is FSDP x TP as `plan_run` says (moments
+    following their params), the engine's decode state sharded, and one RL step's responses
+    and update equal the single-device trainer's."""
+    from tlt_jax.rl import policy
+
+    records = {}
+    for shape in ((1, 1), (2, 2)):
+        config = tiny_config(total_steps=1, **{"model.mesh_shape": shape})
+        trainer = Trainer(config, tmp_path / f"{shape[0]}x{shape[1]}", progress=False)
+        if shape == (2, 2):
+            plan = policy.plan_run(config, trainer.engine.model_config, trainer.mesh)
+            for got, want in zip(jax.tree.leaves(trainer.state),
+                                 jax.tree.leaves(plan.abstract_state), strict=True):  # fmt: skip
+                assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+            assert trainer.engine.state.cache.k.sharding.spec[1] == "data"
+        records[shape] = trainer.run_step(next(trainer.iterator))
+        trainer.close()
+    one, mesh = records[(1, 1)], records[(2, 2)]
+    assert one["response_lengths"] == mesh["response_lengths"]
+    for key in ("reward_mean", "loss", "grad_norm"):
+        assert mesh[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
 def test_sink_features_match_the_policy_forward(tmp_path):
     sink = RecordingSink()
     trainer = Trainer(tiny_config(total_steps=1), tmp_path, feature_sink=sink, progress=False)

@@ -160,7 +160,13 @@ class Trainer:
         self.reference_params = params if cfg.rl.algorithm.kl_coef else None
         if self.reference_params is not None:
             params = self._to_train(self.engine.params)
-        init = jax.jit(lambda p: step_lib.init_train_state(p, self.optimizer, cfg.seed))
+        # On a mesh the train state is laid out as the dry plan says (eval_shape: params with
+        # train shardings, moments following them, scalars replicated), not as XLA infers.
+        out = None if self.mesh is None else jax.tree.map(
+            lambda x: x.sharding,
+            policy.plan_run(cfg, self.engine.model_config, self.mesh).abstract_state)  # fmt: skip
+        init = jax.jit(lambda p: step_lib.init_train_state(p, self.optimizer, cfg.seed),
+                       out_shardings=out)  # fmt: skip
         self.state: step_lib.TrainState = init(params)
 
         self.checkpointer = RunCheckpointer(
@@ -215,7 +221,9 @@ class Trainer:
         temperature = float(cfg.rollout.temperature)
         params = abstract_like(self.state.params)
         batch_spec = abstract_like(batch)
-        per_token = jax.ShapeDtypeStruct((rows, cols), jnp.float32)
+        # Laid out as `_put` places them (the host-built loss inputs arrive replicated).
+        replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+        per_token = jax.ShapeDtypeStruct((rows, cols), jnp.float32, sharding=replicated)
         options = step_lib.ForwardOptions.of(cfg.rl)
         logprob = self.pool.get(
             ("logprob", *shape),
