@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,12 +82,27 @@ def _train_command(workdir):
             "--workdir", str(workdir), *flags]  # fmt: skip
 
 
-def _env():
-    cache = os.path.join(os.environ.get("TLT_TEST_CACHE", "/tmp"), "tlt_jax_test_xla_cache")
+def _env(cache=None):
+    """The subprocesses' environment; `cache`: their compilation cache (default the suite's).
+
+    A process killed with SIGKILL may die writing a cache entry (JAX writes them in place),
+    and a truncated entry crashes whoever reads it next: killed runs get a copy (`_copy_cache`).
+    """
+    cache = cache or os.path.join(os.environ.get("TLT_TEST_CACHE", "/tmp"),
+                                  "tlt_jax_test_xla_cache")  # fmt: skip
     return {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}",
             "JAX_COMPILATION_CACHE_DIR": cache,
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # fmt: skip
+
+
+def _copy_cache(tmp_path) -> str:
+    """A private copy of the suite's compilation cache for a process that will be killed."""
+    suite = os.path.join(os.environ.get("TLT_TEST_CACHE", "/tmp"), "tlt_jax_test_xla_cache")
+    copy = tmp_path / "xla_cache_killed"
+    if os.path.isdir(suite):
+        shutil.copytree(suite, copy, dirs_exist_ok=True)
+    return str(copy)
 
 
 def _records(workdir):
@@ -102,7 +118,7 @@ def test_kill_9_and_resume_repeats_the_uninterrupted_run(tmp_path):
     expected = _records(whole)
     assert [r["step"] for r in expected] == list(range(1, total + 1))
 
-    process = subprocess.Popen(_train_command(killed), cwd=REPO, env=_env(),
+    process = subprocess.Popen(_train_command(killed), cwd=REPO, env=_env(_copy_cache(tmp_path)),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     metrics = killed / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -161,7 +177,8 @@ def test_kill_9_with_spot_training_resumes_the_drafter_too(tmp_path):
     assert [r["step"] for r in expected] == list(range(1, 5))
     assert expected[-1]["drafter_version"] >= 2 and expected[-1]["drafter_steps"] == 2
 
-    process = subprocess.Popen(_spot_command(killed), cwd=REPO, env=env,
+    killed_env = {**_env(_copy_cache(tmp_path)), "XLA_FLAGS": env["XLA_FLAGS"]}
+    process = subprocess.Popen(_spot_command(killed), cwd=REPO, env=killed_env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     metrics = killed / "metrics.jsonl"
     deadline = time.monotonic() + 300
