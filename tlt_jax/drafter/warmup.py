@@ -20,8 +20,6 @@ import dataclasses
 import json
 import logging
 import os
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,9 +30,9 @@ import ml_collections
 import numpy as np
 import tqdm
 from flax import nnx
-from ml_collections import config_dict
 
 from tlt_jax.checkpointing.manager import DrafterCheckpointer
+from tlt_jax.config_fields import placeholder
 from tlt_jax.data.pipeline import DEFAULT_INSTRUCTION, read_prompt_rows
 from tlt_jax.data.tokenizer import PromptEncoder, Tokenizer, stop_token_ids
 from tlt_jax.drafter.data import DrafterBuffer
@@ -99,17 +97,13 @@ _NESTED = {"train": DrafterTrainConfig, "optim": OptimConfig}
 def _as_config_dict(instance) -> ml_collections.ConfigDict:
     """A dataclass instance's fields as a ConfigDict (nested configs nested; None values as
     typed placeholders, so `--config.x=...` parses)."""
-    hints = typing.get_type_hints(type(instance))
     out = ml_collections.ConfigDict()
     for field in dataclasses.fields(instance):
         value = getattr(instance, field.name)
         if dataclasses.is_dataclass(value):
             out[field.name] = _as_config_dict(value)
         elif value is None:
-            hint = hints[field.name]
-            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-                hint = next(t for t in typing.get_args(hint) if t is not type(None))
-            out[field.name] = config_dict.placeholder(hint)
+            out[field.name] = placeholder(type(instance), field.name)
         else:
             out[field.name] = value
     return out

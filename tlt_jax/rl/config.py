@@ -26,13 +26,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-import types
-import typing
 from typing import Any
 
 import ml_collections
-from ml_collections import config_dict
 
+from tlt_jax.config_fields import placeholder
 from tlt_jax.data.pipeline import DataConfig
 from tlt_jax.models.config import DTYPES
 from tlt_jax.models.presets import PRESETS
@@ -472,7 +470,6 @@ class TrainConfig:
 
 def _config_fields(cls) -> dict[str, Any]:
     """A dataclass's fields at their defaults; None defaults become typed placeholders."""
-    hints = typing.get_type_hints(cls)
     out = {}
     for field in dataclasses.fields(cls):
         value = field.default
@@ -481,10 +478,7 @@ def _config_fields(cls) -> dict[str, Any]:
         if dataclasses.is_dataclass(value):  # the algorithm, flat in its group
             out.update(_config_fields(type(value)))
         elif value is None:  # `--config.group.field=...` needs the field's type to parse
-            hint = hints[field.name]
-            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-                hint = next(t for t in typing.get_args(hint) if t is not type(None))
-            out[field.name] = config_dict.placeholder(hint)
+            out[field.name] = placeholder(cls, field.name)
         else:
             out[field.name] = value
     return out
