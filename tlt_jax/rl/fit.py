@@ -32,10 +32,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
+from tlt_jax.drafter import trainer as drafter_trainer
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import abstract_state
@@ -176,7 +176,8 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
     _, drafter_state = sharding_lib.abstract_module_state(drafter_module, mesh, rollout_rules)
     drafter_params = nnx.to_pure_dict(drafter_state)
     drafter_config = drafter_module.config
-    drafter_opt = jax.eval_shape(optax.adamw(1e-4).init, drafter_params)
+    drafter_opt = jax.eval_shape(drafter_trainer.make_optimizer(config.spot.train_config()).init,
+                                 drafter_params)  # fmt: skip
     state = jax.eval_shape(lambda: DecodeState.create(model, geo.rollout_batch, geo.max_seq_len,
                                                       drafter_config))  # fmt: skip
     state = jax.tree.map(
@@ -204,23 +205,11 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
     impl = config.spec.attention_impl
 
     def prefill_args():
-        rows = {"u": (u, p), "p": (u,), "b": (b,)}
-        ints = lambda k: jax.ShapeDtypeStruct(rows[k], jnp.int32)  # noqa: E731
+        ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         floats = jax.ShapeDtypeStruct((b,), jnp.float32)
-        args = (
-            rollout_params,
-            drafter_params,
-            state,
-            ints("u"),
-            ints("p"),
-            ints("b"),
-            ints("b"),
-            floats,
-            ints("b"),
-            floats,
-            jax.ShapeDtypeStruct((b,), jnp.uint32),
-        )
-        return _structs(args[3:], mesh, _rows_first), args[:3]  # fmt: skip
+        host = (ints(u, p), ints(u), ints(b), ints(b), floats, ints(b), floats,
+                jax.ShapeDtypeStruct((b,), jnp.uint32))  # fmt: skip
+        return (rollout_params, drafter_params, state, *_structs(host, mesh, _rows_first))
 
     def draft_candidates():
         fn = _draft_fn(graphdef, drafter_config, s, geo.sd_batch, kv, impl)
@@ -234,12 +223,13 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
     specs: dict[str, tuple] = {
         "train_grad": None,  # policy.lower_grad_program
         "train_apply": (
-            lambda: functools.partial(step_lib.apply_program, optimizer=opt, schedule=schedule),
+            lambda: functools.partial(step_lib.apply_program, optimizer=optimizer,
+                                      schedule=schedule),
             lambda: (plan.abstract_state, accum), (0, 1), "train"),
         "prefill": (
             lambda: functools.partial(engine_lib.prefill_program, graphdef, greedy_only=greedy,
                                       drafter_config=drafter_config),
-            lambda: (lambda rest, head: (*head, *rest))(*prefill_args()), (2,), "rollout"),
+            prefill_args, (2,), "rollout"),
         "decode": (
             lambda: functools.partial(engine_lib.decode_program, graphdef,
                                       batch=geo.rollout_batch, kv_len=kv, greedy_only=greedy,
@@ -255,7 +245,7 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
             lambda: (rollout_params, drafter_params, state, tree()), (2,), "rollout"),
     }  # fmt: skip
     optimizer = step_lib.make_optimizer(config.optim, config.total_steps)
-    opt, schedule = optimizer, step_lib.learning_rate_schedule(config.optim, config.total_steps)
+    schedule = step_lib.learning_rate_schedule(config.optim, config.total_steps)
     lowered, seconds = {}, {}
     for name in only:
         start = time.perf_counter()
