@@ -82,27 +82,27 @@ def _train_command(workdir):
             "--workdir", str(workdir), *flags]  # fmt: skip
 
 
-def _env(cache=None):
-    """The subprocesses' environment; `cache`: their compilation cache (default the suite's).
+SUITE_CACHE = os.path.join(os.environ.get("TLT_TEST_CACHE", "/tmp"), "tlt_jax_test_xla_cache")
 
-    A process killed with SIGKILL may die writing a cache entry (JAX writes them in place),
-    and a truncated entry crashes whoever reads it next: killed runs get a copy (`_copy_cache`).
-    """
-    cache = cache or os.path.join(os.environ.get("TLT_TEST_CACHE", "/tmp"),
-                                  "tlt_jax_test_xla_cache")  # fmt: skip
+
+def _env(cache_dir):
+    """The subprocesses' environment; `cache_dir`: their compilation cache (`_cache_copy`)."""
     return {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}",
-            "JAX_COMPILATION_CACHE_DIR": cache,
+            "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # fmt: skip
 
 
-def _copy_cache(tmp_path) -> str:
-    """A private copy of the suite's compilation cache for a process that will be killed."""
-    suite = os.path.join(os.environ.get("TLT_TEST_CACHE", "/tmp"), "tlt_jax_test_xla_cache")
-    copy = tmp_path / "xla_cache_killed"
-    if os.path.isdir(suite):
-        shutil.copytree(suite, copy, dirs_exist_ok=True)
-    return str(copy)
+def _cache_copy(source, copy):
+    """A private copy of a compilation cache, for subprocesses that may be killed.
+
+    JAX writes a cache entry in place, so a process killed mid-write leaves a truncated entry,
+    and reading a truncated entry crashes the reader. Only the pytest process writes the
+    suite's cache; the runs these tests kill write copies that nothing reads afterwards.
+    """
+    if os.path.isdir(source):
+        shutil.copytree(source, copy, dirs_exist_ok=True)
+    return copy
 
 
 def _records(workdir):
@@ -118,7 +118,9 @@ def test_kill_9_and_resume_repeats_the_uninterrupted_run(tmp_path):
     expected = _records(whole)
     assert [r["step"] for r in expected] == list(range(1, total + 1))
 
-    process = subprocess.Popen(_train_command(killed), cwd=REPO, env=_env(_copy_cache(tmp_path)),
+    cache = _cache_copy(SUITE_CACHE, tmp_path / "cache")
+    killed_env = _env(_cache_copy(cache, tmp_path / "killed_cache"))
+    process = subprocess.Popen(_train_command(killed), cwd=REPO, env=killed_env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     metrics = killed / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -132,7 +134,7 @@ def test_kill_9_and_resume_repeats_the_uninterrupted_run(tmp_path):
     done_before_kill = len(metrics.read_text().splitlines())
     assert 5 <= done_before_kill < total
 
-    resumed = subprocess.run(_train_command(killed), cwd=REPO, env=_env(),
+    resumed = subprocess.run(_train_command(killed), cwd=REPO, env=_env(cache),
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from None" not in resumed.stdout
@@ -163,7 +165,8 @@ def test_kill_9_with_spot_training_resumes_the_drafter_too(tmp_path):
     """configs/tiny.py:tlt (adaptive SD, two slices, the drafter spot-trained from a cold
     start), two CPU devices per process: kill -9 mid-run, resume, and every step's policy and
     drafter metrics equal the uninterrupted run's."""
-    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    cache = _cache_copy(SUITE_CACHE, tmp_path / "cache")
+    env = {**_env(cache), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     done = subprocess.run(_spot_command(whole), cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=400)  # fmt: skip
@@ -177,7 +180,8 @@ def test_kill_9_with_spot_training_resumes_the_drafter_too(tmp_path):
     assert [r["step"] for r in expected] == list(range(1, 5))
     assert expected[-1]["drafter_version"] >= 2 and expected[-1]["drafter_steps"] == 2
 
-    killed_env = {**_env(_copy_cache(tmp_path)), "XLA_FLAGS": env["XLA_FLAGS"]}
+    killed_cache = _cache_copy(cache, tmp_path / "killed_cache")
+    killed_env = {**_env(killed_cache), "XLA_FLAGS": env["XLA_FLAGS"]}
     process = subprocess.Popen(_spot_command(killed), cwd=REPO, env=killed_env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     metrics = killed / "metrics.jsonl"
