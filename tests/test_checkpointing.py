@@ -1,4 +1,5 @@
-"""Checkpoints: round trip, retention, crash leftovers, and kill -9 + resume == uninterrupted."""
+"""Checkpoints: round trip, retention, crash leftovers, and kill -9 + resume == uninterrupted
+(the TLT config: adaptive SD, two rollout slices, a spot-trained drafter)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rl_testing import REPO, tiny_config
+from rl_testing import REPO
 
 from tlt_jax.checkpointing.manager import RunCheckpointer
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.config import OptimConfig
-from tlt_jax.rl.run import train_and_evaluate
 
 # Values that depend only on the computation, not on timing.
 DETERMINISTIC = (
@@ -66,22 +66,6 @@ def test_round_trip_retention_and_crash_leftovers(tmp_path):
     reopened.close()
 
 
-OVERRIDES = {
-    "total_steps": 12,
-    "checkpoint_every": 3,
-    "eval.num_problems": 0,
-    "rl.reward_fn": "rl_testing:slow_mean_byte_reward",
-    "rollout.max_new_tokens": 16,
-    "plot_every": 100,
-}
-
-
-def _train_command(workdir):
-    flags = [f"--config.{key}={value}" for key, value in OVERRIDES.items()]
-    return [sys.executable, "scripts/train.py", "--config", "configs/tiny.py",
-            "--workdir", str(workdir), *flags]  # fmt: skip
-
-
 SUITE_CACHE = os.path.join(os.environ.get("TLT_TEST_CACHE", "/tmp"), "tlt_jax_test_xla_cache")
 
 
@@ -103,44 +87,6 @@ def _cache_copy(source, copy):
     if os.path.isdir(source):
         shutil.copytree(source, copy, dirs_exist_ok=True)
     return copy
-
-
-def _records(workdir):
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    return [{k: json.loads(line)[k] for k in DETERMINISTIC} for line in lines]
-
-
-def test_kill_9_and_resume_repeats_the_uninterrupted_run(tmp_path):
-    total = OVERRIDES["total_steps"]
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    # The reference run in this process; the killed and resumed ones as separate programs.
-    train_and_evaluate(tiny_config(**OVERRIDES), whole, progress=False)
-    expected = _records(whole)
-    assert [r["step"] for r in expected] == list(range(1, total + 1))
-
-    cache = _cache_copy(SUITE_CACHE, tmp_path / "cache")
-    killed_env = _env(_cache_copy(cache, tmp_path / "killed_cache"))
-    process = subprocess.Popen(_train_command(killed), cwd=REPO, env=killed_env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    metrics = killed / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and process.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 5:
-            break
-        time.sleep(0.01)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
-    assert process.returncode == -signal.SIGKILL
-    done_before_kill = len(metrics.read_text().splitlines())
-    assert 5 <= done_before_kill < total
-
-    resumed = subprocess.run(_train_command(killed), cwd=REPO, env=_env(cache),
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from None" not in resumed.stdout
-    resumed_from = int(resumed.stdout.split("resumed from ")[1].split(")")[0])
-    assert 3 <= resumed_from <= done_before_kill and resumed_from % 3 == 0
-    assert _records(killed) == expected
 
 
 # Spot training with exactly 2 drafter steps per RL step (the drafter evolves the same way
@@ -166,7 +112,9 @@ def test_kill_9_with_spot_training_resumes_the_drafter_too(tmp_path):
     start), two CPU devices per process: kill -9 mid-run, resume, and every step's policy and
     drafter metrics equal the uninterrupted run's."""
     cache = _cache_copy(SUITE_CACHE, tmp_path / "cache")
-    env = {**_env(cache), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    # Two devices per process (the last device-count flag wins), the suite's other options.
+    xla_flags = os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2"
+    env = {**_env(cache), "XLA_FLAGS": xla_flags}
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     done = subprocess.run(_spot_command(whole), cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=400)  # fmt: skip

@@ -10,7 +10,6 @@ full forward of the finished sequences.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_speculative import (
@@ -147,13 +146,17 @@ def test_sd_logprobs_are_the_plain_logprobs_of_the_emitted_tokens(pair):
         _long_tail_requests(prompts, sampling, seed=7)
     )
     assert any(len(c.accepted_lengths) for c in done)
-    for c in done:
-        tokens = np.array(c.prompt_ids + tuple(c.token_ids), np.int32)[None]
-        positions = np.arange(tokens.shape[1], dtype=np.int32)[None]
-        features, _ = model(jnp.asarray(tokens), jnp.asarray(positions))
-        logits = model.logits(features)[0, len(c.prompt_ids) - 1 : -1] / sampling.temperature
-        want = jnp.take_along_axis(jax.nn.log_softmax(logits, -1),
-                                   jnp.asarray(c.token_ids)[:, None], -1)[:, 0]  # fmt: skip
+    # One causal forward over the right-padded sequences (padding never reaches earlier rows).
+    rows = [c.prompt_ids + tuple(c.token_ids) for c in done]
+    tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = row
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    logprobs = jax.jit(lambda t, p: jax.nn.log_softmax(
+        model.logits(model(t, p)[0]) / sampling.temperature, -1))(tokens, positions)  # fmt: skip
+    for i, c in enumerate(done):
+        start = len(c.prompt_ids) - 1
+        want = logprobs[i, np.arange(start, start + len(c.token_ids)), np.array(c.token_ids)]
         np.testing.assert_allclose(c.logprobs, want, atol=2e-4)
 
 
