@@ -2,139 +2,185 @@ r"""Plain-decoding throughput of the rollout engine vs HF transformers, side by 
 
   python scripts/bench_rollout.py --output_json /tmp/bench_rollout.json
 
-Measures, for SmolLM2-135M-Instruct greedy decoding with the same prompt and lengths:
-generated tokens/s at batch 1, 8 and 32 for tlt_jax and transformers' `generate`, and
-their ratio; the engine's decode step time at context 128 vs 2048 (the median step of a
-generate call, from `EngineStats.timeline`: `tlt_jax.rollout.bench.decode_step_ms`); the
-memory-bandwidth floor at batch 1 (parameter bytes / measured copy bandwidth) and the fraction
-of it reached.
+SmolLM2-135M-Instruct on one chat prompt, every request generating exactly `--new_tokens`
+(no stop ids; transformers with `min_new_tokens`), greedy and sampled at temperature 0.8 (what
+RL does; transformers with `top_k=0`, the engine's default, so both sample the full
+distribution), at batch 1 / 8 / 32 / 64. Per batch, the engine and transformers alternate
+(the order flips every repeat) so both sides see the same machine load; each reports its best,
+median and worst tokens/s over `--repeats` runs, the ratio uses the best of each.
+
+Beside the figures, what bounds them on this machine, measured by the script
+(`tlt_jax.rollout.limits`): batch 1 against the read bandwidth of a large-array reduction
+(every weight is read once per step: `bandwidth_floor_fraction_bs1`), batch 32 against the
+measured float32 matmul roofline (`compute_roofline_fraction_bs32`), and the cost of verifying
+a tree of 4 / 8 tokens over a 1-token forward at batch 1 (`verify4_over_plain_bs1`,
+`verify8_over_plain_bs1`).
 """
 
 import json
 import sys
 import time
 
-import numpy as np
 from absl import app, flags
 
 flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Model path or short name.")
-flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Batch sizes to measure.")
+flags.DEFINE_list("batch_sizes", ["1", "8", "32", "64"], "Batch sizes to measure.")
+flags.DEFINE_list("modes", ["greedy", "sampled"], "greedy and/or sampled (temperature 0.8).")
+flags.DEFINE_float("temperature", 0.8, "Temperature of the sampled mode.")
 flags.DEFINE_integer("new_tokens", 128, "Generated tokens per request.")
-flags.DEFINE_integer("repeats", 2, "Timed runs per point (the best is kept).")
+flags.DEFINE_integer("repeats", 3, "Timed runs per point and side (alternating sides).")
 flags.DEFINE_bool("transformers", True, "Also measure HF transformers.")
 FLAGS = flags.FLAGS
 
 PROMPT = [{"role": "user", "content": "Explain why the sky is blue in a few sentences."}]
+MODES = ("greedy", "sampled")
 
 
-def copy_bandwidth_gbs(nbytes: int = 512 * 1024**2, repeats: int = 5) -> float:
-    """Best bytes copied per second for a buffer far larger than the caches."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
-
-
-def time_engine(engine, prompt, batch, new_tokens, repeats):
+def engine_run(engine, prompt, batch, new_tokens, temperature):
+    """A timed call of the engine: tokens/s of `batch` requests of exactly `new_tokens`."""
     from tlt_jax.rollout.engine import Request
+    from tlt_jax.rollout.sampling import SamplingParams
 
-    requests = [Request(prompt, new_tokens, seed=i) for i in range(batch)]
-    engine.generate(requests, progress=False)  # compiles every program this shape mix needs
-    best = float("inf")
-    for _ in range(repeats):
+    sampling = SamplingParams(temperature=temperature)
+    requests = [Request(prompt, new_tokens, sampling, seed=i) for i in range(batch)]
+
+    def run():
         start = time.perf_counter()
         out = engine.generate(requests, progress=False)
-        best = min(best, time.perf_counter() - start)
-    assert all(len(c.token_ids) == new_tokens for c in out)
-    return batch * new_tokens / best
+        elapsed = time.perf_counter() - start
+        assert all(len(c.token_ids) == new_tokens for c in out)
+        return batch * new_tokens / elapsed
+
+    return run
 
 
-def time_transformers(hf, prompt, batch, new_tokens, repeats):
+def transformers_run(hf, prompt, batch, new_tokens, temperature):
+    """A timed call of transformers' `generate` with the same lengths and sampling."""
     import torch
 
     ids = torch.tensor([prompt] * batch)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    with torch.no_grad():
-        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        best = float("inf")
-        for _ in range(repeats):
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+                if temperature > 0 else dict(do_sample=False))  # fmt: skip
+
+    def run():
+        with torch.no_grad():
             start = time.perf_counter()
-            hf.generate(ids, **kwargs)
-            best = min(best, time.perf_counter() - start)
-    return batch * new_tokens / best
+            out = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              **sampling)  # fmt: skip
+            elapsed = time.perf_counter() - start
+        assert out.shape[1] == ids.shape[1] + new_tokens
+        return batch * new_tokens / elapsed
+
+    return run
+
+
+def load_transformers(model_name):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tlt_jax.models import checkpoints
+
+    path = checkpoints.resolve_model_path(model_name)
+    if path.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=torch.float32)  # fmt: skip
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return hf.eval()
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    unknown = sorted(set(FLAGS.modes) - set(MODES))
+    if unknown:
+        raise app.UsageError(f"--modes {unknown} are not among {list(MODES)}")
+    batches = [int(b) for b in FLAGS.batch_sizes]
+    if not batches or min(batches) < 1:
+        raise app.UsageError(f"--batch_sizes={FLAGS.batch_sizes} must be positive integers")
     import jax
 
     from tlt_jax.models import checkpoints
-    from tlt_jax.rollout import bench
+    from tlt_jax.rollout import bench, limits
     from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
 
-    command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
+    command = " ".join(["python"] + sys.argv)
+    print(command, flush=True)
     tokenizer = checkpoints.load_tokenizer(FLAGS.model)
     prompt = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     model = checkpoints.load_model(FLAGS.model)
-    batches = [int(b) for b in FLAGS.batch_sizes]
-    results = {"tlt_jax": {}, "transformers": {}}
+    hf = load_transformers(FLAGS.model) if FLAGS.transformers else None
+    temperatures = {"greedy": 0.0, "sampled": FLAGS.temperature}
+    runs = {side: {m: {} for m in FLAGS.modes} for side in ("tlt_jax", "transformers")}
     for batch in batches:
         engine = RolloutEngine(model, EngineConfig(max_batch_size=batch, max_seq_len=512,
                                                    max_prefill_batch=min(batch, 8)))  # fmt: skip
-        results["tlt_jax"][str(batch)] = time_engine(
-            engine, prompt, batch, FLAGS.new_tokens, FLAGS.repeats
-        )
-        print(f"tlt_jax      batch {batch:3d}: {results['tlt_jax'][str(batch)]:8.1f} tok/s")
-    if FLAGS.transformers:
-        import torch
-        from transformers import AutoModelForCausalLM
+        for mode in FLAGS.modes:
+            t = temperatures[mode]
+            sides = {"tlt_jax": engine_run(engine, prompt, batch, FLAGS.new_tokens, t)}
+            if hf is not None:
+                sides["transformers"] = transformers_run(hf, prompt, batch, FLAGS.new_tokens, t)
+            for run in sides.values():  # the engine compiles this batch's programs
+                run()
+            for repeat in range(FLAGS.repeats):
+                order = list(sides) if repeat % 2 == 0 else list(sides)[::-1]
+                for side in order:
+                    runs[side][mode].setdefault(str(batch), []).append(sides[side]())
+            for side in sides:
+                figure = limits.spread(runs[side][mode][str(batch)])
+                print(f"{side:12s} {mode:7s} batch {batch:3d}: best {figure['best']:7.1f} "
+                      f"median {figure['median']:7.1f} tok/s", flush=True)  # fmt: skip
+    tokens_per_s = {side: {m: {b: limits.spread(v) for b, v in by_batch.items()}
+                           for m, by_batch in by_mode.items()}
+                    for side, by_mode in runs.items()}  # fmt: skip
 
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        path = checkpoints.resolve_model_path(FLAGS.model)
-        if path.suffix == ".gguf":
-            hf = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch.float32
-            )
-        else:
-            hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-        hf.eval()
-        for batch in batches:
-            results["transformers"][str(batch)] = time_transformers(
-                hf, prompt, batch, FLAGS.new_tokens, FLAGS.repeats
-            )
-            print(
-                f"transformers batch {batch:3d}: {results['transformers'][str(batch)]:8.1f} tok/s"
-            )
-    ratio = {b: results["tlt_jax"][b] / results["transformers"][b] for b in results["transformers"]}
-    # The engine's batch-1 plain step (host work included) at one kv bucket of 128 / 2048.
-    step_128 = bench.decode_step_ms(model, 128) / 1e3
-    step_2048 = bench.decode_step_ms(model, 2048) / 1e3
+    def ratio(mode):
+        ours, theirs = tokens_per_s["tlt_jax"][mode], tokens_per_s["transformers"][mode]
+        return {b: round(ours[b]["best"] / theirs[b]["best"], 3) for b in theirs}
+
+    best = {m: {b: f["best"] for b, f in tokens_per_s["tlt_jax"][m].items()} for m in FLAGS.modes}
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx_state(model)))
-    bandwidth = copy_bandwidth_gbs()
-    # A batch-1 decode step must stream every parameter through the cores once.
+    bandwidth = limits.read_bandwidth_gbs()
+    roofline = limits.matmul_gflops()
+    # A batch-1 step reads every weight once: the floor is bandwidth / weight bytes.
     floor_tps = bandwidth * 1e9 / param_bytes
+    context = len(prompt) + FLAGS.new_tokens // 2  # the mean context of a timed run
+    flops = limits.decode_flops_per_token(model.config, context)
+    verify = limits.target_forward_ms(model, kv_len=256)
+    # The engine's batch-1 plain step (host work included) at one kv bucket of 128 / 2048.
+    step_ms = {str(kv): bench.decode_step_ms(model, kv) for kv in (128, 2048)}
+    reference = "greedy" if "greedy" in best else FLAGS.modes[0]
     out = {
         "command": command,
         "model": FLAGS.model,
         "dtype": model.config.param_dtype,
         "new_tokens": FLAGS.new_tokens,
         "prompt_tokens": len(prompt),
+        "temperature_sampled": FLAGS.temperature,
+        "repeats": FLAGS.repeats,
         "backend": jax.default_backend(),
-        "tokens_per_s": results,
-        "ratio_vs_transformers": ratio,
-        "decode_step_s": {"128": step_128, "2048": step_2048},
-        "decode_step_ratio_2048_vs_128": step_2048 / step_128,
+        "tokens_per_s": tokens_per_s,
         "param_bytes": param_bytes,
-        "copy_bandwidth_gbs": bandwidth,
+        "read_bandwidth_gbs": bandwidth,
         "bandwidth_floor_tokens_per_s_bs1": floor_tps,
-        "bandwidth_floor_fraction_bs1": results["tlt_jax"].get("1", float("nan")) / floor_tps,
+        "bandwidth_floor_fraction_bs1": best[reference].get("1", float("nan")) / floor_tps,
+        "matmul_roofline_gflops_f32": roofline,
+        "decode_gflops_per_token": flops / 1e9,
+        "compute_roofline_fraction_bs32": (
+            best[reference].get("32", float("nan")) * flops / (roofline * 1e9)
+        ),  # fmt: skip
+        "decode_step_ms_bs1_by_kv_len": step_ms,
+        "target_forward_ms_by_tokens_bs1": verify,
+        "verify4_over_plain_bs1": verify[4] / verify[1],
+        "verify8_over_plain_bs1": verify[8] / verify[1],
     }
+    if hf is not None:
+        if "greedy" in FLAGS.modes:
+            out["ratio_vs_transformers"] = ratio("greedy")
+        if "sampled" in FLAGS.modes:
+            out["ratio_vs_transformers_sampled"] = ratio("sampled")
     print(json.dumps(out, indent=2))
     print(f"command: {command}")
     if FLAGS.output_json:
