@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -66,27 +65,8 @@ def test_round_trip_retention_and_crash_leftovers(tmp_path):
     reopened.close()
 
 
-SUITE_CACHE = os.path.join(os.environ.get("TLT_TEST_CACHE", "/tmp"), "tlt_jax_test_xla_cache")
-
-
-def _env(cache_dir):
-    """The subprocesses' environment; `cache_dir`: their compilation cache (`_cache_copy`)."""
-    return {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}",
-            "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # fmt: skip
-
-
-def _cache_copy(source, copy):
-    """A private copy of a compilation cache, for subprocesses that may be killed.
-
-    JAX writes a cache entry in place, so a process killed mid-write leaves a truncated entry,
-    and reading a truncated entry crashes the reader. Only the pytest process writes the
-    suite's cache; the runs these tests kill write copies that nothing reads afterwards.
-    """
-    if os.path.isdir(source):
-        shutil.copytree(source, copy, dirs_exist_ok=True)
-    return copy
+def _env():
+    return {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
 
 
 # Spot training with exactly 2 drafter steps per RL step (the drafter evolves the same way
@@ -111,10 +91,9 @@ def test_kill_9_with_spot_training_resumes_the_drafter_too(tmp_path):
     """configs/tiny.py:tlt (adaptive SD, two slices, the drafter spot-trained from a cold
     start), two CPU devices per process: kill -9 mid-run, resume, and every step's policy and
     drafter metrics equal the uninterrupted run's."""
-    cache = _cache_copy(SUITE_CACHE, tmp_path / "cache")
     # Two devices per process (the last device-count flag wins), the suite's other options.
     xla_flags = os.environ["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2"
-    env = {**_env(cache), "XLA_FLAGS": xla_flags}
+    env = {**_env(), "XLA_FLAGS": xla_flags}
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     done = subprocess.run(_spot_command(whole), cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=400)  # fmt: skip
@@ -128,9 +107,7 @@ def test_kill_9_with_spot_training_resumes_the_drafter_too(tmp_path):
     assert [r["step"] for r in expected] == list(range(1, 5))
     assert expected[-1]["drafter_version"] >= 2 and expected[-1]["drafter_steps"] == 2
 
-    killed_cache = _cache_copy(cache, tmp_path / "killed_cache")
-    killed_env = {**_env(killed_cache), "XLA_FLAGS": env["XLA_FLAGS"]}
-    process = subprocess.Popen(_spot_command(killed), cwd=REPO, env=killed_env,
+    process = subprocess.Popen(_spot_command(killed), cwd=REPO, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     metrics = killed / "metrics.jsonl"
     deadline = time.monotonic() + 300
