@@ -116,7 +116,7 @@ def drafter_forward(
     sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
     g_BxTxD, (k_BxTxKxH, v_BxTxKxH) = decoder_layer(
         layer, h_BxTxD, sin_cos, mask_BxTxT, config,
-        None if cache is None else cache.k[0], None if cache is None else cache.v[0],
+        *((None, None) if cache is None else cache.layer(0)),
         cache_lens_B, attention_impl, input_norm=False, cache_mask_BxTxS=cache_mask_BxTxS,
     )  # fmt: skip
     return g_BxTxD, NewKV(k=k_BxTxKxH[None], v=v_BxTxKxH[None])
