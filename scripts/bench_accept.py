@@ -1,8 +1,9 @@
 r"""Acceptance length per RL step: spot-trained vs frozen warm-up drafter vs a cold start.
 
-    python scripts/train_drafter.py --model smollm2-135m-instruct --prompts P.jsonl \
-        --workdir /tmp/warm_drafter --max_steps 400 --max_new_tokens 256 --temperature 0.8 \
-        --instruction "Solve step by step, end with '#### <number>'."
+    python scripts/train_drafter.py --config configs/drafter_warmup.py:arith \
+        --workdir /tmp/warm_drafter --config.prompts=P.jsonl --config.train.total_steps=300 \
+        --config.train.batch_rows=2 --config.train.row_len=1024 \
+        --config.train.optim.learning_rate=3e-4 --config.train.optim.warmup_steps=50
     python scripts/bench_accept.py --warm_drafter /tmp/warm_drafter/eagle --steps 20 \
         --root /tmp/bench_accept --output_json /tmp/bench_accept.json
 
