@@ -16,8 +16,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 
-# No persistent compilation cache: the suite crashed with SIGSEGV in CI three times with it
-# (the one stack printed was loading an entry, in compilation_cache.get_executable_and_time),
+# No persistent compilation cache: one SIGSEGV of the suite printed its stack loading an entry
+# (compilation_cache.get_executable_and_time; later ones crashed compiling, see below),
 # and loading XLA:CPU executables is known to crash (jax-ml/jax#28908; uwplasma/vmex#142 traced
 # one to LLVM's object linking). It saved 358 s of a 33-minute run (before -O0 above).
 jax.config.update("jax_compilation_cache_dir", None)

@@ -24,29 +24,20 @@ from flax import nnx
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import KVCache, Transformer
-
-
-def _best_s(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compiles
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
+from tlt_jax.rollout.bench import best_ms
 
 
 def read_bandwidth_gbs(nbytes: int = 512 * 1024**2, repeats: int = 5) -> float:
     """GB/s of a float32 sum over `nbytes` (far larger than the caches)."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
-    return nbytes / _best_s(jax.jit(jnp.sum), x, repeats=repeats) / 1e9
+    return nbytes / (best_ms(jax.jit(jnp.sum), x, iters=repeats) / 1e3) / 1e9
 
 
 def matmul_gflops(n: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:
     """GFLOP/s of an [n, n] x [n, n] matmul in `dtype` (float32 accumulation)."""
     a = jnp.ones((n, n), dtype)
     fn = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-    return 2 * n**3 / _best_s(fn, a, a, repeats=repeats) / 1e9
+    return 2 * n**3 / (best_ms(fn, a, a, iters=repeats) / 1e3) / 1e9
 
 
 def decode_flops_per_token(config: ModelConfig, context: int) -> float:
