@@ -63,8 +63,22 @@ def _on_duration(event: str, duration: float, **_) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its compile count to the controller (`pytest_testnodedown`)."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["xla_compiles"] = dict(_COMPILES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    worker = getattr(node, "workeroutput", {}).get("xla_compiles", {})
+    for key, value in worker.items():
+        _COMPILES[key] += value
+
+
 def pytest_terminal_summary(terminalreporter):
-    """How much of the session was XLA compiling (this process's, not subprocesses')."""
+    """How much of the session was XLA compiling (the test processes', not subprocesses')."""
     terminalreporter.write_line(
         f"XLA: {_COMPILES['count']} compiles in {_COMPILES['seconds']:.0f} s"
     )

@@ -1,4 +1,5 @@
-"""Policy model parity: HF transformers (PyTorch float32), cached decode, packing, export, errors.
+"""Policy model parity: HF transformers (PyTorch float32: logits and the engine's greedy
+generate), cached decode, packing, export, errors.
 
 Tolerances (float32 everywhere):
 - tiny random checkpoints vs HF: max abs logit error <= 2e-5 on logits of scale ~4.5
@@ -19,6 +20,7 @@ from flax import nnx
 
 from tlt_jax.models import checkpoints
 from tlt_jax.models.transformer import KVCache, NewKV, segment_causal_mask, write_kv
+from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 
 TINY_ATOL = 2e-5
 REAL_ATOL = 1e-3
@@ -134,12 +136,12 @@ def smollm2():
     tokenizer = checkpoints.load_tokenizer(path)
     messages = [{"role": "user", "content": "What is 17 times 23? Think step by step."}]
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
-    return ours, hf, np.asarray([prompt], np.int32)
+    return ours, hf, np.asarray([prompt], np.int32), tokenizer
 
 
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2):
-    ours, hf, prompt = smollm2
+    ours, hf, prompt, _ = smollm2
     tokens = np.concatenate([prompt, random_tokens(ours.config.vocab_size, prompt.shape)], 0)
     expected = hf_logits(hf, tokens)
     got = full_logits(ours, tokens)
@@ -150,11 +152,38 @@ def test_smollm2_logits_match_transformers(smollm2):
 
 @pytest.mark.slow
 def test_smollm2_cached_decode_matches_full_forward(smollm2):
-    ours, _, prompt = smollm2
+    ours, _, prompt, _ = smollm2
     expected = full_logits(ours, prompt)
     got = cached_decode_logits(ours, prompt, np.asarray([prompt.shape[1] - 8]), chunk=2, steps=6)
     np.testing.assert_allclose(got[0], expected[0, -9:], atol=3e-4, rtol=0)
     np.testing.assert_array_equal(got[0].argmax(-1), expected[0, -9:].argmax(-1))
+
+
+ENGINE_PROMPTS = [
+    [{"role": "user", "content": "What is 17 + 25?"}],
+    [{"role": "user", "content": "Write one sentence about the sea."}],
+    [{"role": "user", "content": "List three prime numbers."}],
+    [{"role": "user", "content": "Translate 'good morning' into French."}],
+]
+
+
+@pytest.mark.slow
+def test_smollm2_engine_greedy_matches_transformers_generate(smollm2):
+    """The continuous-batching engine (4 requests through 2 slots) emits HF's greedy tokens."""
+    ours, hf, _, tokenizer = smollm2
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True)
+               for m in ENGINE_PROMPTS]  # fmt: skip
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    engine = RolloutEngine(ours, EngineConfig(max_batch_size=2, max_seq_len=256))
+    eos, new_tokens = tokenizer.eos_token_id, 24
+    got = [c.token_ids for c in engine.generate([Request(p, new_tokens, stop_ids=(eos,))
+                                                 for p in prompts])]  # fmt: skip
+    for prompt, tokens in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens,
+                              eos_token_id=eos, do_sample=False)  # fmt: skip
+        # Both stop after (and keep) the first EOS, or after `new_tokens` tokens.
+        assert tokens == out[0, len(prompt) :].tolist()
 
 
 # ----------------------------------------------------------------------------- cached decode
