@@ -237,7 +237,9 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model):
                for m in (model, sharded)]  # fmt: skip
     want = engine_lib.decode_state_shardings(engines[1].state, mesh, rules)
     assert engines[1].state.cache.k.sharding.spec == want.cache.k.spec
-    assert want.cache.k.spec == jax.sharding.PartitionSpec(None, "data", None, "tensor", None)
+    # [L, B, S, K, H]: slots over data, kv heads over tensor.
+    for spec in (want.cache.k.spec, want.cache.v.spec):
+        assert spec == jax.sharding.PartitionSpec(None, "data", None, "tensor", None)
     requests = random_requests(np.random.default_rng(4), 6)
     for _ in range(2):  # the second call reuses every program on the state the first left
         outs = [[c.token_ids for c in e.generate(requests)] for e in engines]

@@ -19,6 +19,7 @@ import transformers
 from flax import nnx
 
 from tlt_jax.models import checkpoints
+from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import KVCache, NewKV, segment_causal_mask, write_kv
 from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 
@@ -199,8 +200,8 @@ def cached_decode_logits(model, tokens_BxT, prefix_B, chunk: int, steps: int) ->
     assert prefix_B.max() + chunk + steps <= t
     # Slots at or past a row's cache length hold garbage: attention must mask them.
     zeros = KVCache.zeros(model.config, b, t + 2)
-    noise_k, noise_v = 100 * jax.random.normal(jax.random.key(0), (2, *zeros.k.shape))
-    cache = KVCache(k=noise_k, v=noise_v)
+    cache = zeros.replace(k=100 * jax.random.normal(jax.random.key(0), zeros.k.shape),
+                          v=100 * jax.random.normal(jax.random.key(1), zeros.v.shape))  # fmt: skip
     prefill = int(prefix_B.max())
     # Rows with shorter prefixes prefill junk after them; their cache length masks it and the
     # following writes overwrite it.
@@ -237,20 +238,28 @@ def test_cached_decode_matches_full_forward_ragged(tiny, kind):
 
 
 def test_write_kv_offsets_bounds_and_in_place():
-    cache = KVCache(k=jnp.zeros((2, 3, 6, 1, 2)), v=jnp.zeros((2, 3, 6, 1, 2)))
+    cache = KVCache.from_new(NewKV(k=jnp.zeros((2, 3, 6, 1, 2)), v=jnp.zeros((2, 3, 6, 1, 2))))
     new_k = jnp.arange(1, 17, dtype=jnp.float32).reshape(2, 2, 2, 1, 2)
-    out = write_kv(cache, NewKV(k=new_k, v=-new_k), jnp.asarray([1, 5]))
+    out = write_kv(cache, NewKV(k=new_k, v=-new_k), jnp.asarray([1, 5])).token_major()
     expected = np.zeros((2, 3, 6, 1, 2), np.float32)
     expected[:, 0, 1:3] = new_k[:, 0]
     expected[:, 1, 5] = new_k[:, 1, 0]  # position 6 is past the cache: dropped, not shifted
     np.testing.assert_array_equal(np.asarray(out.k), expected)  # row 2 untouched
     np.testing.assert_array_equal(np.asarray(out.v), -expected)
+    # Prefill writes positions [0, T) of the given slots; slot 7 is out of range: dropped.
+    prefix = KVCache.from_new(NewKV(k=jnp.zeros((2, 3, 6, 1, 2)), v=jnp.zeros((2, 3, 6, 1, 2))))
+    out = prefix.write_prefix(jnp.asarray([2, 7]), NewKV(k=new_k, v=-new_k)).token_major()
+    expected = np.zeros((2, 3, 6, 1, 2), np.float32)
+    expected[:, 2, :2] = new_k[:, 0]
+    np.testing.assert_array_equal(np.asarray(out.k), expected)
+    np.testing.assert_array_equal(np.asarray(out.v), -expected)
     # With the cache donated the write is in place: no temporary the size of the cache.
-    big = jax.ShapeDtypeStruct((4, 8, 4096, 4, 128), jnp.float32)
+    config = get_preset("tiny").replace(num_layers=4, num_kv_heads=4, head_dim=128)
+    big = jax.eval_shape(lambda: KVCache.zeros(config, 8, 4096, jnp.float32))
     step = jax.ShapeDtypeStruct((4, 8, 1, 4, 128), jnp.float32)
     compiled = (
         jax.jit(write_kv, donate_argnums=0)
-        .lower(KVCache(k=big, v=big), NewKV(k=step, v=step), jax.ShapeDtypeStruct((8,), jnp.int32))
+        .lower(big, NewKV(k=step, v=step), jax.ShapeDtypeStruct((8,), jnp.int32))
         .compile()
     )
     stats = compiled.memory_analysis()

@@ -106,12 +106,9 @@ def _lower_forward(graphdef, state, mesh, rules, batch: int, length: int, cache=
 
 
 def _abstract_cache(config, mesh, rules, batch, length):
-    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
-    axes = ("layers", "batch", "kv_length", "kv_heads", "head_dim")
-    struct = jax.ShapeDtypeStruct(
-        shape, config.jnp_dtype, sharding=sharding.named_sharding(shape, axes, mesh, rules)
-    )
-    return KVCache(k=struct, v=struct)
+    shapes = jax.eval_shape(lambda: KVCache.zeros(config, batch, length))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        shapes, shapes.shardings(mesh, rules))  # fmt: skip
 
 
 @pytest.mark.parametrize("role", ["rollout", "train"])

@@ -322,12 +322,13 @@ def test_kv_commit_matches_plain_cache(aligned):
     np.testing.assert_array_equal(np.asarray(state.draft.lengths), lengths)
     np.testing.assert_array_equal(np.asarray(state.last_token), [s[-1] for s in sequences])
     new, dnew, g = _reference_states(model, drafter, sequences)
+    cache, draft_cache = state.cache.token_major(), state.draft.cache.token_major()
     for i, n in enumerate(lengths):
         for got, want in (
-            (state.cache.k, new.k),
-            (state.cache.v, new.v),
-            (state.draft.cache.k, dnew.k),
-            (state.draft.cache.v, dnew.v),
+            (cache.k, new.k),
+            (cache.v, new.v),
+            (draft_cache.k, dnew.k),
+            (draft_cache.v, dnew.v),
         ):
             np.testing.assert_allclose(got[:, i, :n], want[:, i, :n], atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
@@ -354,8 +355,9 @@ def _plain_steps(model, drafter, *, eager: bool, steps: int = 7):
 def _assert_drafter_matches_reference(model, drafter, state, prompts, tokens, lengths):
     sequences = [list(p) + tokens[i].tolist() for i, p in enumerate(prompts)]
     _, dnew, g = _reference_states(model, drafter, sequences)
+    draft_cache = state.draft.cache.token_major()
     for i, n in enumerate(lengths):
-        for got, want in ((state.draft.cache.k, dnew.k), (state.draft.cache.v, dnew.v)):
+        for got, want in ((draft_cache.k, dnew.k), (draft_cache.v, dnew.v)):
             np.testing.assert_allclose(got[:, i, :n], want[:, i, :n], atol=2e-5, rtol=1e-4)
         np.testing.assert_allclose(state.draft.feature[i], g[i, n - 1], atol=2e-5, rtol=1e-4)
 
@@ -412,6 +414,7 @@ def test_pallas_attention_matches_xla(aligned):
     np.testing.assert_array_equal(tx, tp)
     np.testing.assert_allclose(lx, lp, atol=1e-5)
     np.testing.assert_allclose(sx.cache.k, sp.cache.k, atol=1e-5)
+    np.testing.assert_allclose(sx.cache.v, sp.cache.v, atol=1e-5)
     np.testing.assert_allclose(sx.draft.feature, sp.draft.feature, atol=1e-5)
 
 

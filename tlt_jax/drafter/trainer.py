@@ -22,7 +22,7 @@ from tlt_jax.drafter.data import DrafterBatch, DrafterBuffer
 from tlt_jax.drafter.loss import EagleInputs, eagle_inputs, eagle_loss
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.drafter import Drafter, DrafterParams, drafter_config, drafter_forward
-from tlt_jax.models.transformer import KVCache, segment_causal_mask
+from tlt_jax.models.transformer import KVCache, NewKV, segment_causal_mask
 from tlt_jax.optim import OptimConfig
 from tlt_jax.parallel import sharding as sharding_lib
 
@@ -166,7 +166,8 @@ def unrolled_forward(
         g, kv = drafter_forward(
             params, model_config, embed_VxD, inputs.tokens_BxT, fed_back_BxTxD, positions_BxT,
             mask_BxTxT=eye_BxTxT,
-            cache=KVCache(k=jnp.concatenate(keys, axis=2), v=jnp.concatenate(values, axis=2)),
+            cache=KVCache.from_new(NewKV(k=jnp.concatenate(keys, axis=2),
+                                         v=jnp.concatenate(values, axis=2))),
             cache_mask_BxTxS=jnp.concatenate(blocks, axis=-1),
         )  # fmt: skip
         levels.append((g, valid_BxT))

@@ -21,14 +21,28 @@ import numpy as np
 from flax import nnx, struct
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.parallel.sharding import AnyMesh, Rules, abstract_module_state, constrain
+from tlt_jax.parallel.sharding import (
+    AnyMesh,
+    Rules,
+    abstract_module_state,
+    constrain,
+    named_sharding,
+)
 
 ATTENTION_IMPLS = ("xla", "pallas")
+# Logical axes of `KVCache.k` and `KVCache.v`.
+KV_AXES = ("layers", "batch", "kv_length", "kv_heads", "head_dim")
 
 
 @struct.dataclass
 class KVCache:
-    """Keys and values of every layer for B slots of S positions."""
+    """Keys and values of every layer for B slots of S positions, token-major like `NewKV`.
+
+    The layout is known here only: the writers (`write_kv`, `write_positions`,
+    `write_prefix`, `moved`, `from_new`), the per-layer reads (`layer`) and the sharding axes
+    (`shardings`). A keys-transposed layout ([L, B, K, H, S], values [L, B, K, S, H]) ran
+    attention 1.4-2.0x faster alone but not the engine's step (BENCHMARKS.md).
+    """
 
     k: jax.Array  # [L, B, S, K, H]
     v: jax.Array  # [L, B, S, K, H]
@@ -42,17 +56,32 @@ class KVCache:
         dtype = dtype or config.jnp_dtype
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
+    @classmethod
+    def from_new(cls, new: NewKV) -> KVCache:
+        """A cache holding exactly the T positions of a forward's keys and values."""
+        return cls(k=new.k, v=new.v)
+
     @property
     def length(self) -> int:
         return self.k.shape[2] if self.view_length is None else self.view_length
+
+    def token_major(self) -> NewKV:
+        """The whole cache as [L, B, S, K, H] keys and values (for checks and exports)."""
+        return NewKV(k=self.k, v=self.v)
+
+    def shardings(self, mesh: AnyMesh, rules: Rules) -> KVCache:
+        """`NamedSharding`s of this cache's arrays (or `ShapeDtypeStruct`s): slots over the
+        rules' batch axes, heads like the policy's kv heads (each tensor-parallel device holds
+        the keys and values of its own heads)."""
+        return self.replace(k=named_sharding(self.k.shape, KV_AXES, mesh, rules),
+                            v=named_sharding(self.v.shape, KV_AXES, mesh, rules))  # fmt: skip
 
     def view(self, batch: int, length: int) -> KVCache:
         """The first `batch` slots and `length` positions (static sizes: one program each).
 
         Lazy: the arrays stay whole and each layer is cut where it is read (`layer`). Sliced
-        up front, the [L, batch, length, K, H] view was a copy the layer loop needed as its
-        operand (XLA:CPU: 377 MB at batch 32 and 256 positions of SmolLM2, as much traffic as
-        its weights).
+        up front, the view was a copy the layer loop needed as its operand (XLA:CPU: 377 MB at
+        batch 32 and 256 positions of SmolLM2, as much traffic as its weights).
         """
         return self.replace(view_batch=batch, view_length=length)
 
@@ -71,9 +100,40 @@ class KVCache:
 
         return cut(self.k), cut(self.v)
 
+    def write_positions(self, slots_Bx1: jax.Array, positions_BxA: jax.Array, k_LxBxAxKxH,
+                        v_LxBxAxKxH) -> KVCache:  # fmt: skip
+        """Writes token-major keys/values of A tokens per row at `positions_BxA` of slots
+        `slots_Bx1`: one scatter per array (in place when the cache is donated); positions
+        at or past the cache length are dropped."""
+
+        def write(cache_arr, new_arr):
+            return cache_arr.at[:, slots_Bx1, positions_BxA].set(new_arr.astype(cache_arr.dtype),
+                                                                 mode="drop")  # fmt: skip
+
+        return self.replace(k=write(self.k, k_LxBxAxKxH), v=write(self.v, v_LxBxAxKxH))
+
+    def write_prefix(self, slots_B: jax.Array, new: NewKV) -> KVCache:
+        """Writes `new`'s T positions at positions [0, T) of `slots_B` (prefill); slots out of
+        range are dropped."""
+
+        def write(cache_arr, new_arr):
+            return cache_arr.at[:, slots_B, : new_arr.shape[2]].set(
+                new_arr.astype(cache_arr.dtype), mode="drop")  # fmt: skip
+
+        return self.replace(k=write(self.k, new.k), v=write(self.v, new.v))
+
+    def moved(self, src, dst, *, kv_len: int) -> KVCache:
+        """Slot `src`'s first `kv_len` positions copied into slot `dst`."""
+
+        def move(arr):
+            row = jax.lax.dynamic_slice_in_dim(arr, src, 1, axis=1)[:, :, :kv_len]
+            return jax.lax.dynamic_update_slice(arr, row, (0, dst, 0, 0, 0))
+
+        return self.replace(k=move(self.k), v=move(self.v))
+
 
 class NewKV(NamedTuple):
-    """Keys and values computed for the query tokens of one forward."""
+    """Keys and values computed for the query tokens of one forward (token-major)."""
 
     k: jax.Array  # [L, B, T, K, H]
     v: jax.Array  # [L, B, T, K, H]
@@ -83,17 +143,13 @@ def write_kv(cache: KVCache, new: NewKV, start_B: jax.Array) -> KVCache:
     """Writes T new positions of the first B slots at per-slot offsets `start_B`.
 
     One scatter per array, so with the cache donated the update happens in place: a decode
-    step costs O(T), not a copy of the whole [L, B, S, K, H] cache. Positions past the cache
-    length are dropped (never shifted onto earlier, valid positions).
+    step costs O(T), not a copy of the whole cache. Positions past the cache length are
+    dropped (never shifted onto earlier, valid positions).
     """
     b, t = new.k.shape[1], new.k.shape[2]
-    rows_Bx1 = jnp.arange(b)[:, None]
-    cols_BxT = start_B[:, None] + jnp.arange(t)[None, :]
-
-    def write(cache_arr, new_arr):
-        return cache_arr.at[:, rows_Bx1, cols_BxT].set(new_arr.astype(cache_arr.dtype), mode="drop")
-
-    return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v))
+    slots_Bx1 = jnp.arange(b)[:, None]
+    positions_BxT = start_B[:, None] + jnp.arange(t)[None, :]
+    return cache.write_positions(slots_Bx1, positions_BxT, new.k, new.v)
 
 
 # ----------------------------------------------------------------------------- math
@@ -442,8 +498,8 @@ class Transformer(nnx.Module):
           positions_BxT: RoPE positions of the tokens.
           mask_BxTxT: which new tokens each new token attends to (default causal). A tree
             mask for verification, a block-diagonal one for packed training windows.
-          cache: keys/values of earlier positions ([L, B, S, K, H]); every query also
-            attends to cache positions `< cache_lens_B[b]`.
+          cache: keys/values of earlier positions (`KVCache`); every query also attends to
+            cache positions `< cache_lens_B[b]`.
           cache_lens_B: valid cached length per row (required with `cache`).
           attention_impl: "xla" (jnp) or "pallas" (the tree-attention kernel, cached path).
           remat: recompute each layer in the backward pass instead of keeping its

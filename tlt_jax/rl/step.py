@@ -45,7 +45,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from tlt_jax.models.transformer import KVCache, PackedMask
+from tlt_jax.models.transformer import KVCache, NewKV, PackedMask
 from tlt_jax.optim import OptimConfig
 from tlt_jax.programs import abstract_like
 from tlt_jax.rl import algorithms
@@ -201,8 +201,8 @@ def sequence_forward(model, batch: SequenceBatch, temperature: float,
     prompt_positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))
     prompt_features, prompt_kv = model(batch.prompt_tokens_PxS, prompt_positions, **kwargs)
     prompt_lens_B = jnp.repeat(batch.prompt_lens_P, group)
-    cache = KVCache(k=jnp.repeat(prompt_kv.k, group, axis=1),
-                    v=jnp.repeat(prompt_kv.v, group, axis=1))  # fmt: skip
+    cache = KVCache.from_new(NewKV(k=jnp.repeat(prompt_kv.k, group, axis=1),
+                                   v=jnp.repeat(prompt_kv.v, group, axis=1)))  # fmt: skip
     positions = prompt_lens_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     features, _ = model(batch.response_tokens_BxT, positions, cache=cache,
                         cache_lens_B=prompt_lens_B, **kwargs)  # fmt: skip

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx, struct
 
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.transformer import KVCache, Transformer, write_kv
+from tlt_jax.models.transformer import KVCache, NewKV, Transformer, write_kv
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.programs import ProgramPool
 from tlt_jax.rollout import speculative
@@ -220,20 +220,22 @@ class DecodeState:
         )
 
 
-# Logical axes of the decode state's arrays by rank: caches [L, B, S, K, H], the drafter's
-# features [B, D], per-slot scalars [B] (typed PRNG keys included).
-_STATE_AXES = {5: ("layers", "batch", "kv_length", "kv_heads", "head_dim"),
-               2: ("batch", "embed"), 1: ("batch",)}  # fmt: skip
+# Logical axes of the decode state's other arrays by rank (caches: `KVCache.shardings`): the
+# drafter's features [B, D], per-slot scalars [B] (typed PRNG keys included).
+_STATE_AXES = {2: ("batch", "embed"), 1: ("batch",)}
 
 
 def decode_state_shardings(state: DecodeState, mesh, rules) -> DecodeState:
     """`NamedSharding`s of a decode state (arrays or `ShapeDtypeStruct`s) on `mesh`: slots over
     the rules' batch axes, cache heads like the policy's kv heads (so each tensor-parallel
     device holds the K/V of its own heads), features like its activations."""
-    return jax.tree.map(
-        lambda x: sharding_lib.named_sharding(x.shape, _STATE_AXES[len(x.shape)], mesh, rules),
-        state,
-    )
+
+    def one(x):
+        if isinstance(x, KVCache):
+            return x.shardings(mesh, rules)
+        return sharding_lib.named_sharding(x.shape, _STATE_AXES[len(x.shape)], mesh, rules)
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 def params_mesh(params) -> jax.sharding.Mesh | None:
@@ -275,11 +277,7 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     tokens, logprobs = choose_tokens(
         logits_B, temperature_B, top_k_B, top_p_B, step_keys, greedy_only=greedy_only
     )
-    cache = state.cache
-    cache = KVCache(
-        k=cache.k.at[:, slots_B, :p].set(new.k[:, rows_B].astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[:, slots_B, :p].set(new.v[:, rows_B].astype(cache.v.dtype), mode="drop"),
-    )
+    cache = state.cache.write_prefix(slots_B, NewKV(k=new.k[:, rows_B], v=new.v[:, rows_B]))
 
     def put(arr, values):
         return arr.at[slots_B].set(values, mode="drop")
@@ -342,15 +340,11 @@ def _move_slot(state: DecodeState, src, dst, *, kv_len: int):
     """Copies slot `src` (its first kv_len positions and scalars) into slot `dst`."""
     _count_trace("move_slot")
 
-    def move_cache(arr):
-        row = jax.lax.dynamic_slice_in_dim(arr, src, 1, axis=1)[:, :, :kv_len]
-        return jax.lax.dynamic_update_slice(arr, row, (0, dst, 0, 0, 0))
-
     def move(arr):
         return arr.at[dst].set(arr[src])
 
     return DecodeState(
-        cache=KVCache(k=move_cache(state.cache.k), v=move_cache(state.cache.v)),
+        cache=state.cache.moved(src, dst, kv_len=kv_len),
         lengths=move(state.lengths),
         last_token=move(state.last_token),
         temperature=move(state.temperature),

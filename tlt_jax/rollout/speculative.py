@@ -102,12 +102,8 @@ class DraftState:
     def moved(self, src, dst, *, kv_len: int) -> DraftState:
         """Slot `src` (its first kv_len positions) copied into slot `dst` (engine compaction)."""
 
-        def move_cache(arr):
-            row = jax.lax.dynamic_slice_in_dim(arr, src, 1, axis=1)[:, :, :kv_len]
-            return jax.lax.dynamic_update_slice(arr, row, (0, dst, 0, 0, 0))
-
         return DraftState(
-            cache=KVCache(k=move_cache(self.cache.k), v=move_cache(self.cache.v)),
+            cache=self.cache.moved(src, dst, kv_len=kv_len),
             lengths=self.lengths.at[dst].set(self.lengths[src]),
             feature=self.feature.at[dst].set(self.feature[src]),
         )
@@ -124,13 +120,11 @@ def commit_kv(cache: KVCache, new: NewKV, rows_BxA: jax.Array, start_B: jax.Arra
     index = rows_BxA[None, :, :, None, None]
     slots = jnp.arange(a, dtype=jnp.int32)[None, :]
     positions = jnp.where(slots < count_B[:, None], start_B[:, None] + slots, cache.length)
-    batch = jnp.arange(b)[:, None]
 
-    def write(cache_arr, new_arr):
-        rows = jnp.take_along_axis(new_arr, index, axis=2).astype(cache_arr.dtype)
-        return cache_arr.at[:, batch, positions].set(rows, mode="drop")
+    def rows(new_arr):
+        return jnp.take_along_axis(new_arr, index, axis=2)
 
-    return KVCache(k=write(cache.k, new.k), v=write(cache.v, new.v))
+    return cache.write_positions(jnp.arange(b)[:, None], positions, rows(new.k), rows(new.v))
 
 
 def extend_drafter(params, config, embed_VxD, draft: DraftState, next_tokens_BxA,
@@ -186,12 +180,8 @@ def prefill_drafter(params: DrafterParams, config: ModelConfig, embed_VxD: jax.A
     g_BxPxD, new = drafter_forward(params, config, embed_VxD, next_tokens, features_BxPxD,
                                    positions)  # fmt: skip
     last = jnp.take_along_axis(g_BxPxD, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
-    cache = draft.cache
     return DraftState(
-        cache=KVCache(
-            k=cache.k.at[:, slots_B, :p].set(new.k.astype(cache.k.dtype), mode="drop"),
-            v=cache.v.at[:, slots_B, :p].set(new.v.astype(cache.v.dtype), mode="drop"),
-        ),
+        cache=draft.cache.write_prefix(slots_B, new),
         lengths=draft.lengths.at[slots_B].set(prompt_lens_B, mode="drop"),
         feature=draft.feature.at[slots_B].set(last.astype(draft.feature.dtype), mode="drop"),
     )
