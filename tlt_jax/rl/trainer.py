@@ -442,6 +442,7 @@ class Trainer:
         apply = self._apply_program()
         advantages = np.asarray(advantages, np.float32).reshape(-1)
         totals: dict[str, float] = {}
+        pending = []  # each mini-batch's metrics, read back once every update is dispatched
         trained = computed = needed = 0
         num_micro = sum(len(m) for m in micro_plan)
         with progress_bar(self.progress, "update", num_micro) as bar:
@@ -471,11 +472,12 @@ class Trainer:
                     computed += micro.computed
                     needed += micro.needed
                 accum = group.allreduce_sum(accum)  # one process: a no-op
-                # The update is dispatched before any metric is read back.
                 self.state, applied = apply(self.state, accum)
-                sums = jax.device_get({k: accum[k] for k in step_lib.ACCUMULATED_METRICS})
-                step_lib.add_minibatch_metrics(totals, sums, jax.device_get(applied),
-                                               len(micro_plan))  # fmt: skip
+                pending.append(({k: accum[k] for k in step_lib.ACCUMULATED_METRICS}, applied))
+        # No metric is read back between mini-batches: the host never waits on the device
+        # before dispatching the next mini-batch's gradient programs.
+        for sums, applied in jax.device_get(pending):
+            step_lib.add_minibatch_metrics(totals, sums, applied, len(micro_plan))
         if group.count > 1:
             counts = group.allgather(f"update_counts/{self.step_count + 1}",
                                      [trained, computed, needed])  # fmt: skip
