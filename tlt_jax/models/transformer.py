@@ -39,9 +39,10 @@ class KVCache:
     """Keys and values of every layer for B slots of S positions, token-major like `NewKV`.
 
     The layout is known here only: the writers (`write_kv`, `write_positions`,
-    `write_prefix`, `moved`, `from_new`), the per-layer reads (`layer`) and the sharding axes
-    (`shardings`). A keys-transposed layout ([L, B, K, H, S], values [L, B, K, S, H]) ran
-    attention 1.4-2.0x faster alone but not the engine's step (BENCHMARKS.md).
+    `write_prefix`, `moved`, `from_new`; each returns a whole cache, never a view), the
+    per-layer reads (`layer`) and the sharding axes (`shardings`). A keys-transposed layout
+    ([L, B, K, H, S], values [L, B, K, S, H]) ran attention 1.4-2.0x faster alone but not the
+    engine's step (BENCHMARKS.md).
     """
 
     k: jax.Array  # [L, B, S, K, H]
@@ -110,7 +111,7 @@ class KVCache:
             return cache_arr.at[:, slots_Bx1, positions_BxA].set(new_arr.astype(cache_arr.dtype),
                                                                  mode="drop")  # fmt: skip
 
-        return self.replace(k=write(self.k, k_LxBxAxKxH), v=write(self.v, v_LxBxAxKxH))
+        return KVCache(k=write(self.k, k_LxBxAxKxH), v=write(self.v, v_LxBxAxKxH))
 
     def write_prefix(self, slots_B: jax.Array, new: NewKV) -> KVCache:
         """Writes `new`'s T positions at positions [0, T) of `slots_B` (prefill); slots out of
@@ -120,7 +121,7 @@ class KVCache:
             return cache_arr.at[:, slots_B, : new_arr.shape[2]].set(
                 new_arr.astype(cache_arr.dtype), mode="drop")  # fmt: skip
 
-        return self.replace(k=write(self.k, new.k), v=write(self.v, new.v))
+        return KVCache(k=write(self.k, new.k), v=write(self.v, new.v))
 
     def moved(self, src, dst, *, kv_len: int) -> KVCache:
         """Slot `src`'s first `kv_len` positions copied into slot `dst`."""
@@ -129,7 +130,7 @@ class KVCache:
             row = jax.lax.dynamic_slice_in_dim(arr, src, 1, axis=1)[:, :, :kv_len]
             return jax.lax.dynamic_update_slice(arr, row, (0, dst, 0, 0, 0))
 
-        return self.replace(k=move(self.k), v=move(self.v))
+        return KVCache(k=move(self.k), v=move(self.v))
 
 
 class NewKV(NamedTuple):
