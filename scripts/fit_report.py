@@ -137,7 +137,8 @@ def markdown(rows: list[dict]) -> str:
         temp = (_gb(max(v.get("temp", 0) for v in r["compiled"].values()))
                 if "compiled" in r else "n/m")  # fmt: skip
         verdict = ["yes" if r["fits"][c] else "no" for c in chips]
-        lines.append(f"| {r['preset']} | {r['mesh']} | {_gb(train)} | {_gb(s['rollout_params'])}"
+        rollout = s["rollout_params"] + s.get("rollout_layers", 0)  # stacked + per-layer
+        lines.append(f"| {r['preset']} | {r['mesh']} | {_gb(train)} | {_gb(rollout)}"
                      f" | {_gb(s['kv_cache'])} ({g['rollout_batch']} x {g['max_seq_len']}) | "
                      f"{_gb(drafter)} | {temp} | {_gb(r['peak_bytes'])} | "
                      + " | ".join(verdict) + " |")  # fmt: skip

@@ -204,7 +204,7 @@ def test_a_group_shares_its_prompt_prefill_and_keeps_its_own_samples(model):
     group = [Request(p, 12, sampling, seed=i) for i, p in enumerate(prompts)]
     got = eng.generate(group)
     assert eng.stats.prefill_steps == 1
-    assert [k for k in eng.pool.keys() if k[0] == "prefill"] == [("prefill", 8, 2, 16, False)]
+    assert [k[:5] for k in eng.pool.keys() if k[0] == "prefill"] == [("prefill", 8, 2, 16, False)]
     alone = RolloutEngine(model, EngineConfig(max_batch_size=1, max_seq_len=128,
                                               min_kv_bucket=32))  # fmt: skip
     for request, completion in zip(group, got, strict=True):
@@ -235,16 +235,19 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model):
     policy = FixedPolicy(StepChoice("2,2,4", "eagle"), max_batch=2)
     engines = [RolloutEngine(m, config, drafter=drafter, step_policy=policy)
                for m in (model, sharded)]  # fmt: skip
-    want = engine_lib.decode_state_shardings(engines[1].state, mesh, rules)
-    assert engines[1].state.cache.k.sharding.spec == want.cache.k.spec
-    # [L, B, S, K, H]: slots over data, kv heads over tensor.
-    for spec in (want.cache.k.spec, want.cache.v.spec):
-        assert spec == jax.sharding.PartitionSpec(None, "data", None, "tensor", None)
+    # Per layer, keys [B, K, H, S] and values [B, K, S, H]: slots over data, kv heads over
+    # tensor (a cache of 4 slots; one slot is replicated over data).
+    four = engine_lib.DecodeState.create(model.config, 4, 32, drafter.config)
+    want = engine_lib.decode_state_shardings(four, mesh, rules)
+    for spec in (want.cache.k[0].spec, want.cache.v[0].spec, want.draft.cache.k[0].spec):
+        assert spec == jax.sharding.PartitionSpec("data", "tensor", None, None)
     requests = random_requests(np.random.default_rng(4), 6)
     for _ in range(2):  # the second call reuses every program on the state the first left
         outs = [[c.token_ids for c in e.generate(requests)] for e in engines]
         assert outs[0] == outs[1]
-        for got, expected in zip(jax.tree.leaves(engines[1].state), jax.tree.leaves(want),
-                                 strict=True):  # fmt: skip
+        state = engines[1].state
+        want = engine_lib.decode_state_shardings(state, mesh, rules)
+        for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
             assert got.sharding.is_equivalent_to(expected, got.ndim)
     assert engines[1].stats.spec_steps > 0
+    assert any(k[0] == "resize" and k[3] == 4 for k in engines[1].pool.keys())

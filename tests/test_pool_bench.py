@@ -86,13 +86,18 @@ def test_tiny_pool_counts_by_hand(tiny):
     #   batch 2 runs 3,2,4 (one of each).
     # naive: each batch runs all three: drafts (topk 2, depth 3) and (1, 5), as 3,2,4 shares
     #   3,2,6's; three trees; verifies of 6 and 4 tokens.
+    # Every verify key has its commit program (the accepted path into the cache).
     want = {"single": (2, 2, 2), "bucketed": (3, 3, 2), "naive": (4, 6, 4)}
     for name, (drafts, trees, verifies) in want.items():
         sd = tiny["pools"][name]["sd"]
-        assert sd["by_kind"] == {"spec_draft": drafts, "spec_tree": trees,
-                                 "spec_verify": verifies}, name  # fmt: skip
-        assert sd["programs"] == drafts + trees + verifies
-    assert tiny["ratios"]["naive/bucketed:programs"] == pytest.approx(14 / 8, abs=1e-3)
+        assert sd["by_kind"] == {
+            "spec_draft": drafts,
+            "spec_tree": trees,
+            "spec_verify": verifies,
+            "spec_commit": verifies,
+        }, name
+        assert sd["programs"] == drafts + trees + 2 * verifies
+    assert tiny["ratios"]["naive/bucketed:programs"] == pytest.approx(18 / 10, abs=1e-3)
 
 
 def test_tiny_bucketed_verifies_are_the_pairs_the_bandit_uses(tiny):

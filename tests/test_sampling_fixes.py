@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tlt_jax.models.decode import DecodeCache
 from tlt_jax.models.drafter import init_drafter
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import init_model
@@ -132,7 +133,7 @@ def test_draft_candidates_maps_nan_logprobs_to_minus_inf():
     topk, depth = 3, 3
     candidates = draft_candidates(
         drafter.params_dict(), drafter.config, model.embed.get_value(), model.head_weight_DxV(),
-        drafter.init_cache(2, 16), jnp.array([4, 6], jnp.int32), feature, topk=topk,
+        DecodeCache.zeros(drafter.config, 2, 16), jnp.array([4, 6], jnp.int32), feature, topk=topk,
         depth=depth,
     )  # fmt: skip
     scores = np.asarray(candidates.scores_BxC)

@@ -21,6 +21,7 @@ from flax import nnx
 from scipy import stats
 
 from tlt_jax.drafter.hot_vocab import count_tokens, hot_token_ids
+from tlt_jax.models.decode import unstack_layers
 from tlt_jax.models.drafter import Drafter, drafter_forward, init_drafter
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import Transformer, init_model
@@ -95,6 +96,8 @@ def run_sd(model, drafter, prompts, strategy, min_tokens, *, sampling=None, seed
     # Shared by strategies with the same verify count (the tree's shape), as in the engine.
     verify = _jit(speculative.verify_program, graphdef, config, batch=b, kv_len=kv_len,
                   greedy_only=greedy, residual=residual)  # fmt: skip
+    commit = _jit(speculative.commit_program, batch=b)
+    layers = unstack_layers(model.layers.stacked())
     dparams = drafter.params_dict()
     state = engine_lib.DecodeState.create(model.config, b, kv_len, config)
     prefill = _jit(engine_lib.prefill_program, graphdef, greedy_only=True, drafter_config=config)
@@ -114,7 +117,9 @@ def run_sd(model, drafter, prompts, strategy, min_tokens, *, sampling=None, seed
         cands = draft(params, dparams, state, hot_token_ids)
         if hot_token_ids is not None:  # every drafted token is a hot one
             assert np.isin(np.asarray(cands.tokens_BxC), hot_token_ids).all()
-        state, emitted, _, counts = verify(params, dparams, state, tree(cands, state))
+        state, emitted, _, counts, new, path = verify(params, layers, dparams, state,
+                                                      tree(cands, state))  # fmt: skip
+        state = commit(state, new, path, counts)
         emitted, counts = np.asarray(emitted), np.asarray(counts)
         for i in range(b):
             out[i].extend(emitted[i, : counts[i]].tolist())
@@ -345,9 +350,10 @@ def _plain_steps(model, drafter, *, eager: bool, steps: int = 7):
                                        kv_len=KV_LEN, greedy_only=True,
                                        drafter_config=drafter.config))  # fmt: skip
     dparams = drafter.params_dict() if eager else None
+    layers = unstack_layers(model.layers.stacked())
     tokens = [np.asarray(state.last_token)]
     for _ in range(steps):
-        state, tok, _ = decode(params, state, dparams)
+        state, tok, _ = decode(params, layers, state, dparams)
         tokens.append(np.asarray(tok))
     return state, prompts, start, np.stack(tokens, axis=1)
 
@@ -373,6 +379,7 @@ def test_drafter_catchup_after_plain_steps(aligned):
                                         batch=8, kv_len=KV_LEN))  # fmt: skip
     state = catchup(
         params,
+        unstack_layers(model.layers.stacked()),
         drafter.params_dict(),
         state,
         np.concatenate([tokens[:, :7], pad], 1),
@@ -407,7 +414,8 @@ def test_pallas_attention_matches_xla(aligned):
         verify = jax.jit(functools.partial(speculative.verify_program, graphdef, drafter.config,
                                            batch=8, kv_len=KV_LEN, greedy_only=True,
                                            attention_impl=impl))  # fmt: skip
-        results.append((cands, *verify(params, dparams, state, tree)))
+        layers = unstack_layers(model.layers.stacked())
+        results.append((cands, *verify(params, layers, dparams, state, tree)[:4]))
     (cx, sx, tx, lx, nx), (cp, sp, tp, lp, np_) = results
     np.testing.assert_array_equal(cx.tokens_BxC, cp.tokens_BxC)
     np.testing.assert_array_equal(nx, np_)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.decode import DecodeCache, cached_layers
 from tlt_jax.models.transformer import (
     ATTENTION_IMPLS,
     DecoderLayers,
@@ -74,7 +75,8 @@ def drafter_forward(
       positions_BxT: RoPE positions (the position of f[t]).
       mask_BxTxT: which new positions attend to which (default causal; block-diagonal for
         packed training rows, a tree mask for tree drafting).
-      cache: the drafter's own cache ([1, B, S, K, H]); queries also attend to positions
+      cache: the drafter's own cache (a one-layer `KVCache`, or the engine's `DecodeCache`:
+        read-only here, see `drafter_decode` for the written form); queries also attend to positions
         `< cache_lens_B[b]`, or to those `cache_mask_BxTxS` allows.
       cache_lens_B: valid cached length per row (with `cache`, this or `cache_mask_BxTxS`).
       cache_mask_BxTxS: which cache positions each new position attends to (xla only; the
@@ -93,8 +95,54 @@ def drafter_forward(
             f"without one (cache given: {cache is not None}, cache_lens_B given: "
             f"{cache_lens_B is not None}, cache_mask_BxTxS given: {cache_mask_BxTxS is not None})"
         )
-    if cache is not None and cache.k.shape[0] != 1:
-        raise ValueError(f"drafter cache has {cache.k.shape[0]} layers; expected 1")
+    if cache is not None and cache.num_layers != 1:
+        raise ValueError(f"drafter cache has {cache.num_layers} layers; expected 1")
+    b, t = tokens_BxT.shape
+    if mask_BxTxT is None:
+        mask_BxTxT = causal_mask(b, t)
+    h_BxTxD = _fused_input(params, config, embed_VxD, tokens_BxT, features_BxTxD)
+    sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
+    g_BxTxD, (k_BxTxKxH, v_BxTxKxH) = decoder_layer(
+        _layer(params), h_BxTxD, sin_cos, mask_BxTxT, config,
+        *((None, None) if cache is None else cache.layer(0)),
+        cache_lens_B, attention_impl, input_norm=False, cache_mask_BxTxS=cache_mask_BxTxS,
+        cache_layout="token_major" if cache is None else cache.layout,
+    )  # fmt: skip
+    return g_BxTxD, NewKV(k=k_BxTxKxH[None], v=v_BxTxKxH[None])
+
+
+def drafter_decode(
+    params: DrafterParams,
+    config: ModelConfig,
+    embed_VxD: jax.Array,
+    tokens_BxT: jax.Array,
+    features_BxTxD: jax.Array,
+    positions_BxT: jax.Array,
+    cache: DecodeCache,
+    starts_B: jax.Array,
+    *,
+    mask_BxTxT: jax.Array | None = None,
+    write: bool = False,
+    attention_impl: str = "xla",
+) -> tuple[jax.Array, NewKV, DecodeCache]:
+    """`drafter_forward` against the rollout engine's drafter cache (a one-layer `DecodeCache`),
+    attending to its positions `< starts_B`; with `write` the T new pairs are first written at
+    `starts_B + t` (`decode.cached_layers`). Returns (g_BxTxD, NewKV, the cache)."""
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"{attention_impl=} is not one of {list(ATTENTION_IMPLS)}")
+    if cache.num_layers != 1:
+        raise ValueError(f"drafter cache has {cache.num_layers} layers; expected 1")
+    b, t = tokens_BxT.shape
+    mask = causal_mask(b, t) if mask_BxTxT is None else mask_BxTxT
+    h_BxTxD = _fused_input(params, config, embed_VxD, tokens_BxT, features_BxTxD)
+    sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
+    return cached_layers((_layer(params),), h_BxTxD, sin_cos, mask, config, cache, starts_B,
+                         write=write, attention_impl=attention_impl,
+                         input_norm=False)  # fmt: skip
+
+
+def _fused_input(params, config: ModelConfig, embed_VxD, tokens_BxT, features_BxTxD):
+    """fc(concat(embed(x[t+1]), f[t])) (+ the optional fc bias)."""
     d = config.hidden_size
     if features_BxTxD.shape[-1] != d or embed_VxD.shape[-1] != d:
         raise ValueError(
@@ -102,24 +150,17 @@ def drafter_forward(
             f"{embed_VxD.shape} must end in hidden_size={d}"
         )
     dtype = config.jnp_dtype
-    b, t = tokens_BxT.shape
-    if mask_BxTxT is None:
-        mask_BxTxT = causal_mask(b, t)
     embed_VxD = jax.lax.stop_gradient(embed_VxD)
     e_BxTxD = jnp.take(embed_VxD, tokens_BxT, axis=0).astype(dtype)
     pair_BxTx2D = jnp.concatenate([e_BxTxD, features_BxTxD.astype(dtype)], axis=-1)
     h_BxTxD = jnp.einsum("BTE,ED->BTD", pair_BxTx2D, params["fc"].astype(dtype))
     if "fc_bias" in params:  # EAGLE-1/2 checkpoints declare fc with a bias
         h_BxTxD = h_BxTxD + params["fc_bias"].astype(dtype)
-    h_BxTxD = constrain(h_BxTxD, ("batch", "length", "embed"))
-    layer = {name: value[0] for name, value in params["layers"].items()}
-    sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
-    g_BxTxD, (k_BxTxKxH, v_BxTxKxH) = decoder_layer(
-        layer, h_BxTxD, sin_cos, mask_BxTxT, config,
-        *((None, None) if cache is None else cache.layer(0)),
-        cache_lens_B, attention_impl, input_norm=False, cache_mask_BxTxS=cache_mask_BxTxS,
-    )  # fmt: skip
-    return g_BxTxD, NewKV(k=k_BxTxKxH[None], v=v_BxTxKxH[None])
+    return constrain(h_BxTxD, ("batch", "length", "embed"))
+
+
+def _layer(params) -> dict[str, jax.Array]:
+    return {name: value[0] for name, value in params["layers"].items()}
 
 
 def draft_logits(

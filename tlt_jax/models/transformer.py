@@ -30,6 +30,8 @@ from tlt_jax.parallel.sharding import (
 )
 
 ATTENTION_IMPLS = ("xla", "pallas")
+# Cache array layouts `attention` reads: `KVCache`'s and `DecodeCache`'s (models/decode.py).
+CACHE_LAYOUTS = ("token_major", "head_major")
 # Logical axes of `KVCache.k` and `KVCache.v`.
 KV_AXES = ("layers", "batch", "kv_length", "kv_heads", "head_dim")
 
@@ -47,6 +49,7 @@ class KVCache:
 
     k: jax.Array  # [L, B, S, K, H]
     v: jax.Array  # [L, B, S, K, H]
+    layout = "token_major"  # what `attention(cache_layout=...)` reads
     # A view's slots and positions (`view`); None: all of them.
     view_batch: int | None = struct.field(pytree_node=False, default=None)
     view_length: int | None = struct.field(pytree_node=False, default=None)
@@ -65,6 +68,10 @@ class KVCache:
     @property
     def length(self) -> int:
         return self.k.shape[2] if self.view_length is None else self.view_length
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
 
     def token_major(self) -> NewKV:
         """The whole cache as [L, B, S, K, H] keys and values (for checks and exports)."""
@@ -267,12 +274,15 @@ def attention(
     impl: str = "xla",
     cache_mask_BxTxS: jax.Array | None = None,
     query_chunk: int = 0,
+    cache_layout: str = "token_major",
 ) -> jax.Array:
     """Softmax attention over the valid cached prefix plus the masked new tokens.
 
     A query attends to cache positions `< cache_lens_B[b]`, or, with `cache_mask_BxTxS`
     (xla only), to exactly the cache positions that mask allows it. `mask_BxTxT` is an array
-    or a mask built by rows (`CausalMask`, `PackedMask`).
+    or a mask built by rows (`CausalMask`, `PackedMask`). The cache arrays are token-major
+    ([B, S, K, H], `KVCache`) or, with `cache_layout="head_major"`, keys [B, K, H, S] and
+    values [B, K, S, H] (`tlt_jax.models.decode.DecodeCache`: what the products read in place).
 
     With `query_chunk` (xla only) the queries go `gcd(T, query_chunk)` at a time, each block
     rematerialized in the backward pass: the [B, N, T, T] float32 scores (and the mask) are
@@ -280,9 +290,15 @@ def attention(
     """
     if impl == "pallas" and cache_mask_BxTxS is not None:
         raise ValueError("cache_mask_BxTxS is supported by impl='xla' only")
+    if cache_layout not in CACHE_LAYOUTS:
+        raise ValueError(f"{cache_layout=} is not one of {list(CACHE_LAYOUTS)}")
     t = q_BxTxNxH.shape[1]
     if impl == "pallas" and cache_k_BxSxKxH is not None:
         from pallas_kernels.tree_attention import tree_attention
+
+        if cache_layout == "head_major":  # the kernel reads token-major blocks
+            cache_k_BxSxKxH = jnp.transpose(cache_k_BxSxKxH, (0, 3, 1, 2))
+            cache_v_BxSxKxH = jnp.transpose(cache_v_BxSxKxH, (0, 2, 1, 3))
 
         return tree_attention(
             q_BxTxNxH, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B,
@@ -292,7 +308,7 @@ def attention(
     if chunk >= t:
         return _dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, full_mask(mask_BxTxT, t),
                                 cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B,
-                                cache_mask_BxTxS)  # fmt: skip
+                                cache_mask_BxTxS, cache_layout)  # fmt: skip
 
     @jax.checkpoint
     def block(start):
@@ -304,34 +320,47 @@ def attention(
         )
         return _dense_attention(q, k_BxTxKxH, v_BxTxKxH, mask_rows(mask_BxTxT, start, chunk),
                                 cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B,
-                                cache_mask)  # fmt: skip
+                                cache_mask, cache_layout)  # fmt: skip
 
     out_CxBxcxNxH = jax.lax.map(block, jnp.arange(0, t, chunk))
     b, n, h = q_BxTxNxH.shape[0], q_BxTxNxH.shape[2], q_BxTxNxH.shape[3]
     return jnp.moveaxis(out_CxBxcxNxH, 0, 1).reshape(b, t, n, h)
 
 
+def _scores(equation: str, q: jax.Array, k: jax.Array) -> jax.Array:
+    """Attention logits in float32. XLA:CPU runs some batched products (a cache read in place)
+    with a dot kernel that has no bfloat16 x bfloat16 -> float32 form, so on CPU low-precision
+    operands are converted to float32 first (the cache copy that used to do it is gone)."""
+
+    def native():
+        return jnp.einsum(equation, q, k, preferred_element_type=jnp.float32)
+
+    if q.dtype == jnp.float32 and k.dtype == jnp.float32:
+        return native()
+
+    def upcast():
+        return jnp.einsum(equation, q.astype(jnp.float32), k.astype(jnp.float32))
+
+    return jax.lax.platform_dependent(cpu=upcast, default=native)
+
+
 def _dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxTxT, cache_k_BxSxKxH,
-                     cache_v_BxSxKxH, cache_lens_B, cache_mask_BxTxS) -> jax.Array:  # fmt: skip
+                     cache_v_BxSxKxH, cache_lens_B, cache_mask_BxTxS,
+                     cache_layout: str = "token_major") -> jax.Array:  # fmt: skip
     b, t, n, h = q_BxTxNxH.shape
     k = k_BxTxKxH.shape[2]
     q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h) * jnp.asarray(h**-0.5, q_BxTxNxH.dtype)
     neg = jnp.finfo(jnp.float32).min
-    logits_new = jnp.einsum(
-        "BTKGH,BtKH->BKGTt", q_BxTxKxGxH, k_BxTxKxH, preferred_element_type=jnp.float32
-    )
+    logits_new = _scores("BTKGH,BtKH->BKGTt", q_BxTxKxGxH, k_BxTxKxH)
     logits_new = jnp.where(mask_BxTxT[:, None, None], logits_new, neg)
     if cache_k_BxSxKxH is None:
         probs = jax.nn.softmax(logits_new, axis=-1).astype(v_BxTxKxH.dtype)
         out = jnp.einsum("BKGTt,BtKH->BTKGH", probs, v_BxTxKxH)
         return out.reshape(b, t, n, h)
-    s = cache_k_BxSxKxH.shape[1]
-    logits_cache = jnp.einsum(
-        "BTKGH,BSKH->BKGTS",
-        q_BxTxKxGxH,
-        cache_k_BxSxKxH.astype(q_BxTxNxH.dtype),
-        preferred_element_type=jnp.float32,
-    )
+    head_major = cache_layout == "head_major"
+    s = cache_k_BxSxKxH.shape[3 if head_major else 1]
+    logits_cache = _scores("BTKGH,BKHS->BKGTS" if head_major else "BTKGH,BSKH->BKGTS",
+                           q_BxTxKxGxH, cache_k_BxSxKxH.astype(q_BxTxNxH.dtype))  # fmt: skip
     if cache_mask_BxTxS is None:
         valid = (jnp.arange(s)[None, :] < cache_lens_B[:, None])[:, None, None, None, :]
     else:
@@ -339,9 +368,44 @@ def _dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxTxT, cache_k_BxSxKx
     logits_cache = jnp.where(valid, logits_cache, neg)
     probs = jax.nn.softmax(jnp.concatenate([logits_cache, logits_new], axis=-1), axis=-1)
     probs = probs.astype(v_BxTxKxH.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., :s], cache_v_BxSxKxH.astype(probs.dtype))
+    out = jnp.einsum("BKGTS,BKSH->BTKGH" if head_major else "BKGTS,BSKH->BTKGH", probs[..., :s],
+                     cache_v_BxSxKxH.astype(probs.dtype))  # fmt: skip
     out = out + jnp.einsum("BKGTt,BtKH->BTKGH", probs[..., s:], v_BxTxKxH)
     return out.reshape(b, t, n, h)
+
+
+def attention_inputs(params: dict[str, jax.Array], x_BxTxD: jax.Array,
+                     sin_cos: tuple[jax.Array, jax.Array], config: ModelConfig,
+                     input_norm: bool = True,
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """A layer's rotated queries and keys, and values, of its input tokens: (q, k, v)."""
+    dtype = config.jnp_dtype
+    p = {name: value.astype(dtype) for name, value in params.items() if "norm" not in name}
+    h_BxTxD = rms_norm(x_BxTxD, params["attn_norm"], config.rms_norm_eps) if input_norm else x_BxTxD
+    q = jnp.einsum("BTD,DNH->BTNH", h_BxTxD, p["q"])
+    k = jnp.einsum("BTD,DKH->BTKH", h_BxTxD, p["k"])
+    v = jnp.einsum("BTD,DKH->BTKH", h_BxTxD, p["v"])
+    if config.attention_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    q = constrain(apply_rope(q, *sin_cos), ("batch", "length", "q_heads", "head_dim"))
+    k = constrain(apply_rope(k, *sin_cos), ("batch", "length", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+    return q, k, v
+
+
+def layer_output(params: dict[str, jax.Array], x_BxTxD: jax.Array, attn_BxTxNxH: jax.Array,
+                 config: ModelConfig) -> jax.Array:  # fmt: skip
+    """The rest of a layer after attention: output projection, residual and the MLP."""
+    dtype = config.jnp_dtype
+    p = {name: params[name].astype(dtype) for name in ("o", "gate", "up", "down")}
+    x_BxTxD = x_BxTxD + jnp.einsum("BTNH,NHD->BTD", attn_BxTxNxH, p["o"])
+    x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
+    h_BxTxD = rms_norm(x_BxTxD, params["mlp_norm"], config.rms_norm_eps)
+    gate_BxTxF = jnp.einsum("BTD,DF->BTF", h_BxTxD, p["gate"])
+    up_BxTxF = jnp.einsum("BTD,DF->BTF", h_BxTxD, p["up"])
+    hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "length", "mlp"))
+    x_BxTxD = x_BxTxD + jnp.einsum("BTF,FD->BTD", hidden_BxTxF, p["down"])
+    return constrain(x_BxTxD, ("batch", "length", "embed"))
 
 
 def decoder_layer(
@@ -357,31 +421,15 @@ def decoder_layer(
     input_norm: bool = True,
     cache_mask_BxTxS: jax.Array | None = None,
     query_chunk: int = 0,
+    cache_layout: str = "token_major",
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One pre-norm decoder layer; returns the output and the new keys/values."""
-    dtype = config.jnp_dtype
-    p = {name: value.astype(dtype) for name, value in params.items() if "norm" not in name}
-    h_BxTxD = rms_norm(x_BxTxD, params["attn_norm"], config.rms_norm_eps) if input_norm else x_BxTxD
-    q = jnp.einsum("BTD,DNH->BTNH", h_BxTxD, p["q"])
-    k = jnp.einsum("BTD,DKH->BTKH", h_BxTxD, p["k"])
-    v = jnp.einsum("BTD,DKH->BTKH", h_BxTxD, p["v"])
-    if config.attention_bias:
-        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-    q = constrain(apply_rope(q, *sin_cos), ("batch", "length", "q_heads", "head_dim"))
-    k = constrain(apply_rope(k, *sin_cos), ("batch", "length", "kv_heads", "head_dim"))
-    v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+    q, k, v = attention_inputs(params, x_BxTxD, sin_cos, config, input_norm)
     attn = attention(
         q, k, v, mask_BxTxT, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B, attention_impl,
-        cache_mask_BxTxS, query_chunk,
+        cache_mask_BxTxS, query_chunk, cache_layout,
     )  # fmt: skip
-    x_BxTxD = x_BxTxD + jnp.einsum("BTNH,NHD->BTD", attn, p["o"])
-    x_BxTxD = constrain(x_BxTxD, ("batch", "length", "embed"))
-    h_BxTxD = rms_norm(x_BxTxD, params["mlp_norm"], config.rms_norm_eps)
-    gate_BxTxF = jnp.einsum("BTD,DF->BTF", h_BxTxD, p["gate"])
-    up_BxTxF = jnp.einsum("BTD,DF->BTF", h_BxTxD, p["up"])
-    hidden_BxTxF = constrain(jax.nn.silu(gate_BxTxF) * up_BxTxF, ("batch", "length", "mlp"))
-    x_BxTxD = x_BxTxD + jnp.einsum("BTF,FD->BTD", hidden_BxTxF, p["down"])
-    return constrain(x_BxTxD, ("batch", "length", "embed")), (k, v)
+    return layer_output(params, x_BxTxD, attn, config), (k, v)
 
 
 def tied_head(x_BxTxD: jax.Array, embed_VxD: jax.Array) -> jax.Array:

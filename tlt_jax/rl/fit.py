@@ -13,8 +13,9 @@ allocated) or on a device mesh (then they also compile):
 - `draft`, `verify`: `speculative.draft_program` / `verify_program` with the EAGLE drafter at the
   SD threshold's batch and the config's largest verify budget.
 
-`fit_row` adds up what one device holds in a colocated run (train state, rollout copy, KV
-cache at the rollout batch, drafter with its cache and optimizer) and, for compiled programs,
+`fit_row` adds up what one device holds in a colocated run (train state, rollout copy and the
+engine's per-layer copy of its layer weights, KV cache at the rollout batch, drafter with its
+cache and optimizer) and, for compiled programs,
 XLA's temporaries. The sizes are the config's global ones (rollout batch, micro-batch), so a
 bigger mesh holds fewer rows per device: the question answered is how many chips a config
 needs. Programs compile for fake CPU devices as well as real ones (nothing is allocated), so
@@ -37,6 +38,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from tlt_jax.drafter import trainer as drafter_trainer
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.decode import layer_shardings, unstack_layers
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import abstract_state
 from tlt_jax.parallel import sharding as sharding_lib
@@ -178,11 +180,25 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
     drafter_config = drafter_module.config
     drafter_opt = jax.eval_shape(drafter_trainer.make_optimizer(config.spot.train_config()).init,
                                  drafter_params)  # fmt: skip
-    state = jax.eval_shape(lambda: DecodeState.create(model, geo.rollout_batch, geo.max_seq_len,
-                                                      drafter_config))  # fmt: skip
-    state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-        engine_lib.decode_state_shardings(state, mesh, rollout_rules),
+
+    def decode_state(cache_batch: int):
+        """The decode state with caches of `cache_batch` slots (programs read exact sizes)."""
+        state = jax.eval_shape(
+            lambda: DecodeState.create(
+                model, geo.rollout_batch, geo.max_seq_len, drafter_config, cache_batch=cache_batch
+            )
+        )
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+            engine_lib.decode_state_shardings(state, mesh, rollout_rules),
+        )  # fmt: skip
+
+    state, sd_state = decode_state(geo.rollout_batch), decode_state(geo.sd_batch)
+    # The engine's per-layer copy of the layer weights (what decode steps read).
+    stacked = nnx.merge(graphdef, rollout_params).layers.stacked()
+    layers = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(unstack_layers, stacked), layer_shardings(stacked),
     )  # fmt: skip
     accum = step_lib.abstract_accumulator(plan.abstract_state.params)
     sizes = {
@@ -190,6 +206,8 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
         "optimizer_state": sharding_lib.per_device_bytes(plan.abstract_state.opt_state),
         "grad_accumulator": sharding_lib.per_device_bytes(accum),
         "rollout_params": sharding_lib.per_device_bytes(rollout_params),
+        # The engine's per-layer copy of the layer weights, which decode steps read.
+        "rollout_layers": sharding_lib.per_device_bytes(layers),
         "kv_cache": sharding_lib.per_device_bytes(state.cache),
         "drafter": sharding_lib.per_device_bytes((drafter_params, state.draft)),
         # The drafter's AdamW moments on its trainer slice (replicated: one slice trains).
@@ -213,12 +231,12 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
 
     def draft_candidates():
         fn = _draft_fn(graphdef, drafter_config, s, geo.sd_batch, kv, impl)
-        return jax.eval_shape(fn, rollout_params, drafter_params, state, hot)
+        return jax.eval_shape(fn, rollout_params, drafter_params, sd_state, hot)
 
     def tree():
         fn = functools.partial(speculative.tree_program, batch=geo.sd_batch,
                                verify_tokens=s.verify_tokens, depth=s.depth)  # fmt: skip
-        return _structs(jax.eval_shape(fn, draft_candidates(), state), mesh, _rows_first)
+        return _structs(jax.eval_shape(fn, draft_candidates(), sd_state), mesh, _rows_first)
 
     specs: dict[str, tuple] = {
         "train_grad": None,  # policy.lower_grad_program
@@ -234,15 +252,15 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
             lambda: functools.partial(engine_lib.decode_program, graphdef,
                                       batch=geo.rollout_batch, kv_len=kv, greedy_only=greedy,
                                       drafter_config=drafter_config, attention_impl=impl),
-            lambda: (rollout_params, state, drafter_params), (1,), "rollout"),
+            lambda: (rollout_params, layers, state, drafter_params), (2,), "rollout"),
         "draft": (
             lambda: _draft_fn(graphdef, drafter_config, s, geo.sd_batch, kv, impl),
-            lambda: (rollout_params, drafter_params, state, hot), (), "rollout"),
+            lambda: (rollout_params, drafter_params, sd_state, hot), (), "rollout"),
         "verify": (
             lambda: functools.partial(speculative.verify_program, graphdef, drafter_config,
                                       batch=geo.sd_batch, kv_len=kv, greedy_only=greedy,
                                       attention_impl=impl),
-            lambda: (rollout_params, drafter_params, state, tree()), (2,), "rollout"),
+            lambda: (rollout_params, layers, drafter_params, sd_state, tree()), (3,), "rollout"),
     }  # fmt: skip
     optimizer = step_lib.make_optimizer(config.optim, config.total_steps)
     schedule = step_lib.learning_rate_schedule(config.optim, config.total_steps)

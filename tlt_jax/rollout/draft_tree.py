@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterParams, draft_logits, drafter_forward
-from tlt_jax.models.transformer import KVCache
+from tlt_jax.models.decode import DecodeCache
+from tlt_jax.models.drafter import DrafterParams, draft_logits, drafter_decode
 
 
 class Candidates(NamedTuple):
@@ -72,7 +72,7 @@ def draft_candidates(
     config: ModelConfig,
     embed_VxD: jax.Array,
     head_DxV: jax.Array,
-    cache: KVCache,
+    cache: DecodeCache,
     lengths_B: jax.Array,
     feature_BxD: jax.Array,
     *,
@@ -87,7 +87,8 @@ def draft_candidates(
       params: the drafter's parameters (`Drafter.params_dict()`).
       config: the drafter's model config.
       embed_VxD / head_DxV: the policy's embedding and LM head.
-      cache: the drafter cache of these rows ([1, B, S, K, H]), valid below `lengths_B`.
+      cache: the drafter cache of these rows (a one-layer `DecodeCache`), valid below
+        `lengths_B`.
       lengths_B: the rows' cached lengths (the root's position).
       feature_BxD: the drafter's prediction of the root's feature.
       topk: children per expanded node (k); depth: tree depth (levels).
@@ -159,10 +160,9 @@ def draft_candidates(
         )  # fmt: skip
         # A node at depth delta sits at drafter position lengths + delta - 1 = slot // k.
         positions = lengths_B[:, None] + slots[None, :] // k
-        g_BxNxD, _ = drafter_forward(
-            params, config, embed_VxD, run.tokens_BxN, run.features_BxNxD, positions,
-            mask_BxTxT=run.mask_BxNxN, cache=cache, cache_lens_B=lengths_B,
-            attention_impl=attention_impl,
+        g_BxNxD, _, _ = drafter_decode(
+            params, config, embed_VxD, run.tokens_BxN, run.features_BxNxD, positions, cache,
+            lengths_B, mask_BxTxT=run.mask_BxNxN, attention_impl=attention_impl,
         )  # fmt: skip
         g_front = jax.lax.dynamic_slice_in_dim(g_BxNxD, first, k, axis=1)  # [B, k, D]
         logp = _nan_to_neg_inf(jax.nn.log_softmax(draft_logits(g_front, head_DxV), axis=-1))

@@ -3,10 +3,14 @@
 Dimension legend: B batch (slots), P prompt length, S kv length, V vocab.
 
 Slots are kept compact: the running requests always occupy slots `[0, n)`. A decode step
-runs over the first `batch_bucket(n)` slots and the first `kv_bucket(max_len + 1)` cache
-positions, so its cost follows the real batch and context. When a request finishes the
-last running slot moves into its place (copying only the live part of its cache), and queued
-requests are prefilled into the free slots before the next step.
+runs over `batch_bucket(n)` slots and `kv_bucket(max_len + 1)` cache positions, so its cost
+follows the real batch and context: the KV cache (`DecodeCache`, one array pair per layer) is
+sized exactly to those buckets and resized when they change (`_fit_cache`: it grows with the
+batch or the context and shrinks as requests finish and none wait),
+and every program runs unrolled over per-layer weights (`tlt_jax.models.decode`: on XLA:CPU
+the scanned form copied each layer's weights and cache window before reading them). When a
+request finishes the last running slot moves into its place, and queued requests are
+prefilled into the free slots before the next step.
 
 Every device program is compiled ahead of time once per static shape key and kept in the
 engine's executable pool; steady-state generation never traces. `EngineStats` reports the
@@ -38,8 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from tlt_jax.models.decode import DecodeCache, cached_forward, layer_shardings, unstack_layers
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.transformer import KVCache, NewKV, Transformer, write_kv
+from tlt_jax.models.transformer import NewKV, Transformer
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.programs import ProgramPool
 from tlt_jax.rollout import speculative
@@ -195,7 +200,7 @@ class EngineStats:
 class DecodeState:
     """Everything a decode step reads and writes; donated to every program."""
 
-    cache: KVCache  # k, v: [L, Bmax, Smax, K, H]
+    cache: DecodeCache  # per layer: k [B, K, H, S], v [B, K, S, H] (B, S: the current buckets)
     lengths: jax.Array  # [Bmax] int32, tokens in the cache (= position of last_token)
     last_token: jax.Array  # [Bmax] int32, the token fed to the next step
     temperature: jax.Array  # [Bmax] float32
@@ -205,11 +210,15 @@ class DecodeState:
     draft: DraftState | None = None  # the drafter's cache and features (engines with a drafter)
 
     @classmethod
-    def create(cls, config, max_batch: int, max_len: int, drafter_config=None) -> DecodeState:
-        draft = None if drafter_config is None else DraftState.create(drafter_config, max_batch,
-                                                                       max_len)  # fmt: skip
+    def create(cls, config, max_batch: int, max_len: int, drafter_config=None, *,
+               cache_batch: int | None = None) -> DecodeState:  # fmt: skip
+        """Per-slot arrays for `max_batch` slots; caches of `cache_batch` (default all) slots and
+        `max_len` positions."""
+        cache_batch = max_batch if cache_batch is None else cache_batch
+        draft = None if drafter_config is None else DraftState.create(
+            drafter_config, max_batch, max_len, cache_batch)  # fmt: skip
         return cls(
-            cache=KVCache.zeros(config, max_batch, max_len),
+            cache=DecodeCache.zeros(config, cache_batch, max_len),
             lengths=jnp.zeros((max_batch,), jnp.int32),
             last_token=jnp.zeros((max_batch,), jnp.int32),
             temperature=jnp.zeros((max_batch,), jnp.float32),
@@ -231,11 +240,11 @@ def decode_state_shardings(state: DecodeState, mesh, rules) -> DecodeState:
     device holds the K/V of its own heads), features like its activations."""
 
     def one(x):
-        if isinstance(x, KVCache):
+        if isinstance(x, DecodeCache):
             return x.shardings(mesh, rules)
         return sharding_lib.named_sharding(x.shape, _STATE_AXES[len(x.shape)], mesh, rules)
 
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, KVCache))
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, DecodeCache))
 
 
 def params_mesh(params) -> jax.sharding.Mesh | None:
@@ -262,7 +271,8 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     Prefix sharing: the requests of a GRPO group have one prompt; slot b takes prompt row
     `rows_B[b]` (its cache, and the logits its first token is sampled from, with its own seed).
     `slots_B` = Bmax marks an unused row (dropped). With a drafter (`drafter_params` not None)
-    its state for the slots is built too.
+    its state for the slots is built too. The prompts run through the scanned forward (their
+    tokens amortize its weight copies); the state's caches must hold the slots and prompts.
     """
     _count_trace("prefill")
     model = nnx.merge(graphdef, params)
@@ -301,20 +311,22 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     return state, tokens, logprobs
 
 
-def decode_program(graphdef, params, state: DecodeState, drafter_params=None, *, batch: int,
-                   kv_len: int, greedy_only: bool, drafter_config=None,
+def decode_program(graphdef, params, layers, state: DecodeState, drafter_params=None, *,
+                   batch: int, kv_len: int, greedy_only: bool, drafter_config=None,
                    attention_impl: str = "xla"):  # fmt: skip
-    """One token for slots [0, batch) attending to cache positions [0, kv_len).
+    """One token for slots [0, batch) attending to cache positions [0, kv_len): the state's
+    caches are exactly that size (`DecodeState.cache`), `layers` the policy's per-layer weights.
 
     With `drafter_params` (eager drafter sync; every slot's drafter in sync) the drafter also
     appends the step's pair (new token, feature of the fed token), staying in sync.
     """
     _count_trace("decode")
+    _check_cache(state, batch, kv_len)
     model = nnx.merge(graphdef, params)
     lengths = state.lengths[:batch]
     tokens_in = state.last_token[:batch, None]
-    features, new = model(tokens_in, lengths[:, None], cache=state.cache.view(batch, kv_len),
-                          cache_lens_B=lengths)  # fmt: skip
+    features, _, cache = cached_forward(model, layers, tokens_in, lengths[:, None], state.cache,
+                                        lengths, write=True)  # fmt: skip
     logits = model.logits(features)[:, 0]
     tokens, logprobs = choose_tokens(
         logits, state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
@@ -324,11 +336,11 @@ def decode_program(graphdef, params, state: DecodeState, drafter_params=None, *,
     if drafter_params is not None:
         draft = speculative.extend_drafter(
             drafter_params, drafter_config, model.embed.get_value(), draft, tokens[:, None],
-            features, lengths, jnp.ones_like(lengths), batch=batch, kv_len=kv_len,
+            features, lengths, jnp.ones_like(lengths), batch=batch,
             attention_impl=attention_impl,
         )  # fmt: skip
     state = state.replace(
-        cache=write_kv(state.cache, new, lengths),
+        cache=cache,
         lengths=state.lengths.at[:batch].add(1),
         last_token=state.last_token.at[:batch].set(tokens),
         draft=draft,
@@ -336,22 +348,42 @@ def decode_program(graphdef, params, state: DecodeState, drafter_params=None, *,
     return state, tokens, logprobs
 
 
-def _move_slot(state: DecodeState, src, dst, *, kv_len: int):
-    """Copies slot `src` (its first kv_len positions and scalars) into slot `dst`."""
+def _check_cache(state: DecodeState, batch: int, kv_len: int) -> None:
+    caches = [state.cache] + ([] if state.draft is None else [state.draft.cache])
+    for cache in caches:
+        if (cache.batch, cache.length) != (batch, kv_len):
+            raise ValueError(f"the decode state's cache holds {cache.batch} slots x {cache.length} "
+                             f"positions; this program runs {batch} x {kv_len}")  # fmt: skip
+
+
+def resize_program(state: DecodeState, *, batch: int, kv_len: int, shardings=None) -> DecodeState:
+    """The state with its caches (and the drafter's) moved to `batch` slots x `kv_len`
+    positions; `shardings` (a `DecodeState` of shardings, or None) keeps a sharded state so."""
+    _count_trace("resize")
+    draft = state.draft
+    if draft is not None:
+        draft = draft.replace(cache=draft.cache.resized(
+            batch, kv_len, None if shardings is None else shardings.draft.cache))  # fmt: skip
+    cache = state.cache.resized(batch, kv_len, None if shardings is None else shardings.cache)
+    return state.replace(cache=cache, draft=draft)
+
+
+def _move_slot(state: DecodeState, src, dst):
+    """Copies slot `src` (its cache rows and scalars) into slot `dst`."""
     _count_trace("move_slot")
 
     def move(arr):
         return arr.at[dst].set(arr[src])
 
     return DecodeState(
-        cache=state.cache.moved(src, dst, kv_len=kv_len),
+        cache=state.cache.moved(src, dst),
         lengths=move(state.lengths),
         last_token=move(state.last_token),
         temperature=move(state.temperature),
         top_k=move(state.top_k),
         top_p=move(state.top_p),
         keys=move(state.keys),
-        draft=None if state.draft is None else state.draft.moved(src, dst, kv_len=kv_len),
+        draft=None if state.draft is None else state.draft.moved(src, dst),
     )
 
 
@@ -411,7 +443,7 @@ class RolloutEngine:
             check_drafter_fits(model.config, drafter.config)
         self.drafter_config = None if drafter is None else drafter.config
         self.drafter_params = None if drafter is None else drafter.params_dict()
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, self.params = nnx.split(model)  # also sets `layers`
         self.stats = EngineStats()
         self.pool = pool if pool is not None else ProgramPool()
         self.ngram = ngram_index
@@ -425,12 +457,13 @@ class RolloutEngine:
             self.set_hot_token_ids(hot_token_ids)
         self.spec = SpecRunner(config, self.graphdef, self.drafter_config, self.stats,
                                self._program, self.ngram)  # fmt: skip
-        self.state = DecodeState.create(model.config, config.max_batch_size, config.max_seq_len,
-                                        self.drafter_config)  # fmt: skip
-        mesh = params_mesh(self.params)
-        if mesh is not None:  # the policy is sharded: so is the state (never replicated)
-            self.state = jax.device_put(self.state, decode_state_shardings(
-                self.state, mesh, sharding_lib.rules_for("rollout")))  # fmt: skip
+        # Caches start at one slot and the smallest kv bucket; `_fit_cache` sizes them.
+        self.state = DecodeState.create(model.config, config.max_batch_size,
+                                        config.kv_buckets[0], self.drafter_config,
+                                        cache_batch=1)  # fmt: skip
+        self._mesh = params_mesh(self.params)
+        if self._mesh is not None:  # the policy is sharded: so is the state (never replicated)
+            self.state = jax.device_put(self.state, self._state_shardings(self.state))
 
     # -- step policy and drafts ------------------------------------------------------------
 
@@ -490,6 +523,23 @@ class RolloutEngine:
 
     # -- weights ---------------------------------------------------------------------------
 
+    @property
+    def params(self) -> nnx.State:
+        """The policy's weights (stacked layers, as the trainer holds them)."""
+        return self._params
+
+    @params.setter
+    def params(self, params: nnx.State) -> None:
+        """Sets the weights and their per-layer copy `layers`, which decode steps read
+        (`tlt_jax.models.decode`: one copy of the layer weights per weight sync)."""
+        self._params = params
+        stacked = nnx.merge(self.graphdef, params).layers.stacked()
+        shardings = layer_shardings(stacked)
+        if getattr(self, "_unstack_shardings", None) != shardings:  # compiled once per placement
+            self._unstack = jax.jit(unstack_layers, out_shardings=shardings)
+            self._unstack_shardings = shardings
+        self.layers = self._unstack(stacked)
+
     def update_params(self, params: nnx.State) -> None:
         """Swaps in new policy weights after checking they match the compiled programs."""
         from tlt_jax.rl.weight_sync import check_compatible
@@ -508,9 +558,48 @@ class RolloutEngine:
         self.stats.compile_count += 1
         return program
 
-    def _run_prefill(self, batch: list[_Running], slots: list[int]) -> tuple[np.ndarray, ...]:
+    # -- cache size ------------------------------------------------------------------------
+
+    def _state_shardings(self, state):
+        return decode_state_shardings(state, self._mesh, sharding_lib.rules_for("rollout"))
+
+    def _kv_margin(self) -> int:
+        """Cache positions a step may write past the longest running request: one for a plain
+        step, a tree's verify tokens for SD (every step kind shares one kv bucket)."""
+        return max([1] + [c.strategy.verify_tokens for c in self.step_policy.choices()])
+
+    def _fit_cache(self, slots: int, positions: int, *, shrink_slots: bool) -> None:
+        """Resizes the caches to hold `slots` slots and `positions` positions, in buckets.
+
+        They grow at once. The slots shrink with the batch bucket, but only when `shrink_slots`
+        (no request waits to be admitted, so the batch only falls), the positions only once
+        two buckets fewer do: a batch or context at a bucket's edge never resizes back and
+        forth. A resize copies the live part of the cache (rare: at bucket changes).
+        """
+        cfg = self.config
+        cache = self.state.cache
+        b = bucket_for(min(slots, cfg.max_batch_size), cfg.batch_buckets)
+        s = bucket_for(min(positions, cfg.max_seq_len), cfg.kv_buckets)
+        if b < cache.batch and not (shrink_slots and 2 * b <= cache.batch):
+            b = cache.batch
+        if s < cache.length and 4 * s > cache.length:
+            s = cache.length
+        if (b, s) == (cache.batch, cache.length):
+            return
+        shardings = None
+        if self._mesh is not None:
+            new = jax.eval_shape(functools.partial(resize_program, batch=b, kv_len=s), self.state)
+            shardings = self._state_shardings(new)
+        fn = functools.partial(resize_program, batch=b, kv_len=s, shardings=shardings)
+        key = ("resize", cache.batch, cache.length, b, s)
+        self.state = self._program(key, fn, self.state)(self.state)  # new shapes: no donation
+
+    def _run_prefill(self, batch: list[_Running], slots: list[int],
+                     running: list[_Running]) -> tuple[np.ndarray, ...]:  # fmt: skip
         """Prefills `batch` into `slots`, each distinct prompt once (`prefill_program`)."""
         cfg = self.config
+        longest = max([len(r.request.prompt_ids) for r in batch] + [r.cache_len for r in running])
+        self._fit_cache(slots[-1] + 1, longest + self._margin, shrink_slots=False)
         rows: dict[tuple[int, ...], int] = {}
         for run in batch:
             rows.setdefault(run.request.prompt_ids, len(rows))
@@ -538,7 +627,9 @@ class RolloutEngine:
                 temperature, top_k, top_p, seeds)  # fmt: skip
         fn = functools.partial(prefill_program, self.graphdef, greedy_only=greedy,
                                drafter_config=self.drafter_config)  # fmt: skip
-        program = self._program(("prefill", b, u, p, greedy), fn, *args, donate=(2,))
+        cache = self.state.cache
+        key = ("prefill", b, u, p, greedy, cache.batch, cache.length)
+        program = self._program(key, fn, *args, donate=(2,))
         self.state, next_tokens, logprobs = program(*args)
         self.stats.prefill_steps += 1
         if self.drafter_params is not None:
@@ -546,10 +637,9 @@ class RolloutEngine:
                 run.draft_len = len(run.request.prompt_ids)
         return np.asarray(next_tokens), np.asarray(logprobs)
 
-    def _run_decode(self, running: list[_Running], max_len: int):
+    def _run_decode(self, running: list[_Running]):
         cfg = self.config
-        b = bucket_for(len(running), cfg.batch_buckets)
-        s = bucket_for(max_len + 1, cfg.kv_buckets)
+        b, s = self.state.cache.batch, self.state.cache.length  # fitted by generate()
         greedy = all(r.request.sampling.greedy for r in running)
         # Eager sync only extends drafters that are in sync (a lagging one is caught up by
         # the next SD step as in lazy mode).
@@ -558,8 +648,8 @@ class RolloutEngine:
         fn = functools.partial(decode_program, self.graphdef, batch=b, kv_len=s,
                                greedy_only=greedy, drafter_config=self.drafter_config,
                                attention_impl=cfg.spec_attention_impl)  # fmt: skip
-        args = (self.params, self.state, self.drafter_params if eager else None)
-        program = self._program(("decode", b, s, greedy, eager), fn, *args, donate=(1,))
+        args = (self.params, self.layers, self.state, self.drafter_params if eager else None)
+        program = self._program(("decode", b, s, greedy, eager), fn, *args, donate=(2,))
         self.state, tokens, logprobs = program(*args)
         self.stats.decode_steps += 1
         if eager:
@@ -567,11 +657,11 @@ class RolloutEngine:
                 run.draft_len = run.cache_len + 1  # the step's token enters the cache next
         return np.asarray(tokens), np.asarray(logprobs)
 
-    def _move(self, src: int, dst: int, kv_len: int) -> None:
-        s = bucket_for(kv_len, self.config.kv_buckets)
-        fn = functools.partial(_move_slot, kv_len=s)
+    def _move(self, src: int, dst: int) -> None:
+        cache = self.state.cache
         src_a, dst_a = np.int32(src), np.int32(dst)
-        program = self._program(("move", s), fn, self.state, src_a, dst_a, donate=(0,))
+        program = self._program(("move", cache.batch, cache.length), _move_slot, self.state,
+                                src_a, dst_a, donate=(0,))  # fmt: skip
         self.state = program(self.state, src_a, dst_a)
 
     # -- generation ------------------------------------------------------------------------
@@ -614,6 +704,7 @@ class RolloutEngine:
         self.stats.timeline = []
         policy = self.step_policy
         policy.begin()
+        self._margin = self._kv_margin()
         if self.ngram is not None:  # an interrupted generate() leaves its requests live
             self.ngram.finish_all(keep=False)
         while queue or running:
@@ -629,7 +720,7 @@ class RolloutEngine:
                     prompts.add(prompt)
                     batch.append(queue.popleft())
                 slots = list(range(len(running), len(running) + len(batch)))
-                tokens, logprobs = self._run_prefill(batch, slots)
+                tokens, logprobs = self._run_prefill(batch, slots, running)
                 now = time.perf_counter()
                 for run, tok, lp in zip(batch, tokens, logprobs, strict=False):
                     run.completion.first_token_time = now
@@ -643,17 +734,18 @@ class RolloutEngine:
                 continue
             max_len = max(r.cache_len for r in running)
             n = len(running)
+            self._fit_cache(n, max_len + self._margin, shrink_slots=not queue)
             choice = policy.choose(n)
             compiled = self.stats.compile_count
             dispatched = time.perf_counter()
             if choice is None:
-                tokens, logprobs = self._run_decode(running, max_len)
+                tokens, logprobs = self._run_decode(running)
                 now = time.perf_counter()
                 emitted = n
                 for i, run in enumerate(running):
                     self._emit(run, int(tokens[i]), float(logprobs[i]))
             else:
-                emitted = self._spec_step(running, max_len, choice)
+                emitted = self._spec_step(running, choice)
                 now = time.perf_counter()
             if self.stats.compile_count == compiled:  # a step that compiled is no reward
                 policy.record(choice, n, emitted, now - dispatched)
@@ -663,17 +755,17 @@ class RolloutEngine:
             bar.close()
         return done  # type: ignore[return-value]
 
-    def _spec_step(self, running: list[_Running], max_len: int, choice: StepChoice) -> int:
+    def _spec_step(self, running: list[_Running], choice: StepChoice) -> int:
         """One SD step; emits each request's accepted run (trimmed at its stop tokens and
         `max_new_tokens`); returns the tokens the step produced before trimming."""
         self.state, result = self.spec.step(
             choice,
             self.params,
+            self.layers,
             self.drafter_params,
             self.hot_token_ids,
             self.state,
             running,
-            max_len,
         )
         for i, run in enumerate(running):
             count = int(result.counts[i])
@@ -711,9 +803,8 @@ class RolloutEngine:
                 self.ngram.finish(run.index)
             last = len(running) - 1
             if i != last:
-                tail = running[last]
-                self._move(last, i, len(tail.request.prompt_ids) + len(tail.completion.token_ids))
-                running[i] = tail
+                self._move(last, i)
+                running[i] = running[last]
             running.pop()
             if bar is not None:
                 bar.update(1)

@@ -5,8 +5,9 @@
 - `matmul_gflops`: the best FLOP/s of a large square matmul in a dtype (the compute roofline).
 - `decode_flops_per_token`: the FLOPs one decoded token costs a model at a context length.
 - `target_forward_ms`: the target's forward with logits over T new tokens on a cache, at batch
-  1, for T = 1 (a plain step's forward) and the verify widths of a tree (its cost over T = 1
-  is what an SD step pays on top of a plain step to verify T drafted tokens).
+  1, in the engine's form (per-layer weights and cache, `tlt_jax.models.decode`), for T = 1
+  (a plain step's forward) and the verify widths of a tree (its cost over T = 1 is what an SD
+  step pays on top of a plain step to verify T drafted tokens).
 
 Used by `scripts/bench_rollout.py`; every figure is a best of several runs (other jobs share
 the machine) and the widths are timed round-robin so that each sees the same load.
@@ -23,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.transformer import KVCache, Transformer
+from tlt_jax.models.decode import DecodeCache, cached_forward, unstack_layers
+from tlt_jax.models.transformer import Transformer
 from tlt_jax.rollout.bench import best_ms
 
 
@@ -57,25 +59,26 @@ def target_forward_ms(model: Transformer, kv_len: int, widths: Sequence[int] = (
     attending to a `kv_len`-position cache (`kv_len - max(widths)` of it valid), per T."""
     config = model.config
     graphdef, params = nnx.split(model)
-    cache = KVCache.zeros(config, 1, kv_len)
+    layers = jax.jit(unstack_layers)(model.layers.stacked())  # the engine's per-layer weights
+    cache = DecodeCache.zeros(config, 1, kv_len)
     context = jnp.array([kv_len - max(widths)], jnp.int32)
 
     @jax.jit
-    def forward(params, cache, tokens_1xT):
+    def forward(params, layers, cache, tokens_1xT):
         model_ = nnx.merge(graphdef, params)
         t = tokens_1xT.shape[1]
         positions = context[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        features, _ = model_(tokens_1xT, positions, cache=cache, cache_lens_B=context)
+        features, _, _ = cached_forward(model_, layers, tokens_1xT, positions, cache, context)
         return model_.logits(features)
 
     tokens = {t: jnp.ones((1, t), jnp.int32) for t in widths}
     for t in widths:
-        jax.block_until_ready(forward(params, cache, tokens[t]))  # compiles
+        jax.block_until_ready(forward(params, layers, cache, tokens[t]))  # compiles
     best = dict.fromkeys(widths, float("inf"))
     for _ in range(repeats):
         for t in widths:  # round-robin: every width sees the same machine load
             start = time.perf_counter()
-            jax.block_until_ready(forward(params, cache, tokens[t]))
+            jax.block_until_ready(forward(params, layers, cache, tokens[t]))
             best[t] = min(best[t], time.perf_counter() - start)
     return {t: 1e3 * s for t, s in best.items()}
 

@@ -50,7 +50,7 @@ from tlt_jax.rollout.speculative import SpecStrategy
 log = logging.getLogger(__name__)
 
 POOLS = ("single", "naive", "bucketed")
-SD_KINDS = ("spec_draft", "spec_tree", "spec_verify")
+SD_KINDS = ("spec_draft", "spec_tree", "spec_verify", "spec_commit")
 STRATEGY_SETS = ("spec", "paper")
 PROMPT_TOKENS = 8
 MEMORY_FIELDS = ("generated_code", "temp", "argument", "output", "alias")

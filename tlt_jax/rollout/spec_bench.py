@@ -270,6 +270,7 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
     import jax.numpy as jnp
     from flax import nnx
 
+    from tlt_jax.models.decode import cached_forward
     from tlt_jax.models.drafter import draft_logits
     from tlt_jax.rollout import speculative
     from tlt_jax.rollout.acceptance import accept_tree
@@ -283,14 +284,15 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
     plain_median_ms = median_step_ms(engine.stats.timeline)  # the last (plain) run's steps
     sd = run_point(engine, group, choice, engine_hot_ids, repeats=2)
     state, params, dparams = engine.state, engine.params, engine.drafter_params
-    graphdef, dconfig = engine.graphdef, engine.drafter_config
+    layers, graphdef, dconfig = engine.layers, engine.graphdef, engine.drafter_config
+    kv_len = state.cache.length  # the engine's last cache size (the programs read exactly it)
     k, depth, t = strategy.topk, strategy.depth, strategy.verify_tokens
     hot = None if hot_ids is None else jnp.asarray(hot_ids, jnp.int32)
     out = {"strategy": str(strategy), "kv_len": kv_len, "context": int(state.lengths[0]),
            "iters": iters, "draft_levels": depth}  # fmt: skip
 
     def fresh(args):  # verify donates the state: each call gets its own copy
-        return (*args[:2], jax.tree.map(jnp.copy, args[2]), *args[3:])
+        return (*args[:3], jax.tree.map(jnp.copy, args[3]), *args[4:])
 
     draft = jax.jit(functools.partial(speculative.draft_program, graphdef, dconfig, batch=1,
                                       kv_len=kv_len, topk=k, depth=depth))  # fmt: skip
@@ -306,9 +308,18 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
         functools.partial(
             speculative.verify_program, graphdef, dconfig, batch=1, kv_len=kv_len, greedy_only=True
         ),
-        donate_argnums=(2,),
+        donate_argnums=(3,),
     )
-    out["verify_ms"] = best_ms(verify, params, dparams, state, tree, iters=iters, fresh=fresh)
+    out["verify_ms"] = best_ms(verify, params, layers, dparams, state, tree, iters=iters,
+                               fresh=fresh)  # fmt: skip
+    _, _, _, counts, new, path = verify(params, layers, dparams, jax.tree.map(jnp.copy, state),
+                                        tree)  # fmt: skip
+    commit = jax.jit(functools.partial(speculative.commit_program, batch=1), donate_argnums=(0,))
+
+    def fresh_state(args):
+        return (jax.tree.map(jnp.copy, args[0]), *args[1:])
+
+    out["commit_ms"] = best_ms(commit, state, new, path, counts, iters=iters, fresh=fresh_state)
 
     def head_level(params, g_1xkxD, ids):  # one draft level's head: logits, log-softmax, top-k
         head = nnx.merge(graphdef, params).head_weight_DxV()
@@ -321,15 +332,15 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
     if hot is not None:
         out["draft_head_level_hot_ms"] = best_ms(head_jit, params, g, hot, iters=iters)
 
-    def target_tree(params, state, tree):
+    def target_tree(params, layers, state, tree):
         model_ = nnx.merge(graphdef, params)
-        features, _ = model_(tree.tokens_BxT, tree.positions_BxT, mask_BxTxT=tree.mask_BxTxT,
-                             cache=state.cache.view(1, kv_len),
-                             cache_lens_B=state.lengths[:1])  # fmt: skip
+        features, _, _ = cached_forward(model_, layers, tree.tokens_BxT, tree.positions_BxT,
+                                        state.cache, state.lengths[:1],
+                                        mask_BxTxT=tree.mask_BxTxT)  # fmt: skip
         return model_.logits(features)
 
     target_jit = jax.jit(target_tree)
-    logits = target_jit(params, state, tree)
+    logits = target_jit(params, layers, state, tree)
     accept = jax.jit(functools.partial(accept_tree, greedy_only=True))
     out["verify_accept_ms"] = best_ms(
         accept, logits, tree.tokens_BxT, tree.parents_BxT, tree.positions_BxT,
@@ -344,13 +355,14 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
             positions_BxT=state.lengths[:1, None] + jnp.arange(width, dtype=jnp.int32)[None],
             mask_BxTxT=jnp.tril(jnp.ones((width, width), bool))[None],
         )
-        widths[str(width)] = best_ms(target_jit, params, state, chain, iters=iters)
+        widths[str(width)] = best_ms(target_jit, params, layers, state, chain, iters=iters)
     out["target_forward_ms_by_tokens"] = widths
     out["plain_step_in_engine_ms"] = 1e3 * plain["decode_s"] / plain["steps"]
     out["plain_step_median_ms"] = plain_median_ms
     for suffix, draft_key in (("", "draft_full_ms"), ("_hot", "draft_hot_ms")):
         if draft_key in out:
-            out[f"sd_programs{suffix}_ms"] = out[draft_key] + out["tree_ms"] + out["verify_ms"]
+            out[f"sd_programs{suffix}_ms"] = (out[draft_key] + out["tree_ms"] + out["verify_ms"]
+                                              + out["commit_ms"])  # fmt: skip
             # The acceptance length at which an SD step costs as much as its plain steps.
             out[f"break_even_accept_len{suffix}"] = out[f"sd_programs{suffix}_ms"] / plain_median_ms
     programs = out["sd_programs_ms" if engine_hot_ids is None else "sd_programs_hot_ms"]

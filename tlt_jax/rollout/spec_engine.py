@@ -116,18 +116,22 @@ class SpecRunner:
         self._program = program
         self.ngram = ngram
 
-    def step(self, choice: StepChoice, params, drafter_params, hot_token_ids, state: Any,
-             running: list, max_len: int) -> tuple[Any, SpecResult]:  # fmt: skip
-        """One SD step over `running` (slot i holds running[i]); returns (state, result)."""
+    def step(self, choice: StepChoice, params, layers, drafter_params, hot_token_ids,
+             state: Any, running: list) -> tuple[Any, SpecResult]:  # fmt: skip
+        """One SD step over `running` (slot i holds running[i]); returns (state, result).
+
+        The state's caches are the step's size (the engine fits them: room for a whole tree
+        past the longest running request); `layers` are the policy's per-layer weights. A
+        verify program reads the target cache and a commit program writes the accepted path.
+        """
         if choice.needs_drafter and drafter_params is None:
             raise ValueError(f"step policy chose {choice} but this engine has no drafter")
         if choice.needs_ngram and self.ngram is None:
             raise ValueError(f"step policy chose {choice} but this engine has no n-gram index")
         if drafter_params is not None:
-            state = self.sync_drafter(params, drafter_params, state, running, max_len)
+            state = self.sync_drafter(params, layers, drafter_params, state, running)
         cfg = self.config
-        b = _bucket(len(running), cfg.batch_buckets)
-        s = _bucket(max_len + 1, cfg.kv_buckets)
+        b, s = state.cache.batch, state.cache.length
         strategy = choice.strategy
         k, d, t = strategy.topk, strategy.depth, strategy.verify_tokens
         if choice.needs_drafter:
@@ -141,9 +145,13 @@ class SpecRunner:
             speculative.verify_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
             greedy_only=greedy, attention_impl=cfg.spec_attention_impl,
         )  # fmt: skip
-        args = (params, drafter_params, state, tree)
+        args = (params, layers, drafter_params, state, tree)
         key = ("spec_verify", b, t, s, greedy, drafter_params is not None)
-        state, tokens, logprobs, counts = self._program(key, verify_fn, *args, donate=(2,))(*args)
+        state, tokens, logprobs, counts, new, path = self._program(key, verify_fn, *args,
+                                                                   donate=(3,))(*args)  # fmt: skip
+        commit_fn = functools.partial(speculative.commit_program, batch=b)
+        args = (state, new, path, counts)
+        state = self._program(("spec_commit", b, t, s), commit_fn, *args, donate=(0,))(*args)
         result = SpecResult(np.asarray(tokens), np.asarray(logprobs), np.asarray(counts))
         stats = self.stats
         stats.spec_steps += 1
@@ -198,14 +206,13 @@ class SpecRunner:
             full[:n] = part
         return DraftTree(*(jnp.asarray(x) for x in host))
 
-    def sync_drafter(self, params, drafter_params, state, running: list, max_len: int):
+    def sync_drafter(self, params, layers, drafter_params, state, running: list):
         """Catches the drafter up on the positions plain steps decoded (the SD switch cost)."""
         behind = [r.cache_len - r.draft_len for r in running]
         if max(behind) <= 0:
             return state
         cfg = self.config
-        b = _bucket(len(running), cfg.batch_buckets)
-        s = _bucket(max_len + 1, cfg.kv_buckets)
+        b, s = state.cache.batch, state.cache.length
         t = _bucket(max(behind), cfg.prompt_buckets)
         tokens = np.zeros((b, t), np.int32)
         next_tokens = np.zeros((b, t), np.int32)
@@ -220,8 +227,8 @@ class SpecRunner:
             speculative.catchup_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
             attention_impl=cfg.spec_attention_impl,
         )  # fmt: skip
-        args = (params, drafter_params, state, tokens, next_tokens, counts)
-        program = self._program(("drafter_catchup", b, t, s), fn, *args, donate=(2,))
+        args = (params, layers, drafter_params, state, tokens, next_tokens, counts)
+        program = self._program(("drafter_catchup", b, t, s), fn, *args, donate=(3,))
         start = time.perf_counter()
         state = program(*args)
         jax.block_until_ready(state.draft.lengths)  # rare, and measured

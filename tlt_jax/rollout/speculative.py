@@ -8,12 +8,15 @@ One SD step over the first `batch` slots of the engine's `DecodeState` is three 
 1. `draft_program` (batch, k, depth, kv, hot vocabulary size): EAGLE-2 candidates
    (`draft_tree.draft_candidates`).
 2. `tree_program` (batch, k, depth, T): the T-node tree (`draft_tree.build_tree`).
-3. `verify_program` (batch, T, kv): one target forward over B x T tokens with the tree mask,
-   acceptance (`acceptance.accept_tree`), then the commit: the accepted path's keys and values
-   are scattered into the target cache at positions lengths .. lengths + m (nothing else is
-   written and lengths grow by m + 1, so rejected branches are never readable), and the drafter
-   runs over the accepted path with the target's features of that path (EAGLE's draft-extend),
-   which extends its cache by the same m + 1 pairs and predicts the next root's feature.
+3. `verify_program` (batch, T, kv): one target forward over B x T tokens with the tree mask
+   (reading the target cache, not writing it), acceptance (`acceptance.accept_tree`), and the
+   drafter over the accepted path with the target's features of that path (EAGLE's
+   draft-extend), which extends its cache by the same m + 1 pairs and predicts the next root's
+   feature.
+4. `commit_program` (batch, T, kv): the accepted path's keys and values scattered into the
+   target cache at positions lengths .. lengths + m (nothing else is written and lengths grew by
+   m + 1, so rejected branches are never readable). A program of its own: written in the
+   program whose attention read the cache, XLA copies every cache array first.
 
 Drafter state is in sync for a slot when its `DraftState.lengths` equals the target's lengths.
 Prefill puts it in sync (`prefill_drafter`, one drafter layer over the prompt). Plain decode
@@ -34,8 +37,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.drafter import DrafterParams, drafter_forward
-from tlt_jax.models.transformer import KVCache, NewKV
+from tlt_jax.models.decode import DecodeCache, cached_forward
+from tlt_jax.models.drafter import DrafterParams, drafter_decode, drafter_forward
+from tlt_jax.models.transformer import NewKV
 from tlt_jax.rollout.acceptance import accept_tree
 from tlt_jax.rollout.draft_tree import Candidates, DraftTree, build_tree, draft_candidates
 
@@ -87,30 +91,33 @@ class SpecStrategy:
 class DraftState:
     """The drafter's part of the decode state (donated with it)."""
 
-    cache: KVCache  # k, v: [1, Bmax, Smax, K, H], pair (x[p+1], f[p]) at position p
+    cache: DecodeCache  # one layer, sized like the target's; pair (x[p+1], f[p]) at position p
     lengths: jax.Array  # [Bmax] int32, pairs in the cache (= target lengths when in sync)
     feature: jax.Array  # [Bmax, D] drafter output at the last pair: predicted f[lengths]
 
     @classmethod
-    def create(cls, config: ModelConfig, max_batch: int, max_len: int) -> DraftState:
+    def create(cls, config: ModelConfig, max_batch: int, max_len: int,
+               cache_batch: int | None = None) -> DraftState:  # fmt: skip
         return cls(
-            cache=KVCache.zeros(config, max_batch, max_len),
+            cache=DecodeCache.zeros(
+                config, max_batch if cache_batch is None else cache_batch, max_len
+            ),  # fmt: skip
             lengths=jnp.zeros((max_batch,), jnp.int32),
             feature=jnp.zeros((max_batch, config.hidden_size), config.jnp_dtype),
         )
 
-    def moved(self, src, dst, *, kv_len: int) -> DraftState:
-        """Slot `src` (its first kv_len positions) copied into slot `dst` (engine compaction)."""
+    def moved(self, src, dst) -> DraftState:
+        """Slot `src` copied into slot `dst` (engine compaction)."""
 
         return DraftState(
-            cache=self.cache.moved(src, dst, kv_len=kv_len),
+            cache=self.cache.moved(src, dst),
             lengths=self.lengths.at[dst].set(self.lengths[src]),
             feature=self.feature.at[dst].set(self.feature[src]),
         )
 
 
-def commit_kv(cache: KVCache, new: NewKV, rows_BxA: jax.Array, start_B: jax.Array,
-              count_B: jax.Array) -> KVCache:  # fmt: skip
+def commit_kv(cache: DecodeCache, new: NewKV, rows_BxA: jax.Array, start_B: jax.Array,
+              count_B: jax.Array) -> DecodeCache:  # fmt: skip
     """Writes `new` rows `rows_BxA[b, :count_B[b]]` at positions start_B[b] + 0, 1, ...
 
     Only those positions change: the rest of each row (and positions past the buffer) is
@@ -128,26 +135,26 @@ def commit_kv(cache: KVCache, new: NewKV, rows_BxA: jax.Array, start_B: jax.Arra
 
 
 def extend_drafter(params, config, embed_VxD, draft: DraftState, next_tokens_BxA,
-                    features_BxAxD, start_B, count_B, *, batch: int, kv_len: int,
+                    features_BxAxD, start_B, count_B, *, batch: int,
                     attention_impl: str = "xla") -> DraftState:  # fmt: skip
     """Appends pairs (next_tokens[a], features[a]) at start + a for a < count (rows < batch).
 
     The drafter's EAGLE-extend: verification appends the accepted path, the catch-up the
-    positions plain steps decoded, and an eager-sync plain step its one new pair.
+    positions plain steps decoded, and an eager-sync plain step its one new pair. All A pairs
+    are written before attention reads the cache (in place); those at or past start + count
+    lie beyond the row's new length, never read, and are overwritten later.
     """
     a = next_tokens_BxA.shape[1]
     positions = start_B[:, None] + jnp.arange(a, dtype=jnp.int32)[None, :]
-    g_BxAxD, new = drafter_forward(
-        params, config, embed_VxD, next_tokens_BxA, features_BxAxD, positions,
-        cache=draft.cache.view(batch, kv_len), cache_lens_B=start_B,
-        attention_impl=attention_impl,
+    g_BxAxD, _, cache = drafter_decode(
+        params, config, embed_VxD, next_tokens_BxA, features_BxAxD, positions, draft.cache,
+        start_B, write=True, attention_impl=attention_impl,
     )  # fmt: skip
-    rows = jnp.broadcast_to(jnp.arange(a, dtype=jnp.int32), (batch, a))
     last = jnp.take_along_axis(g_BxAxD, jnp.maximum(count_B - 1, 0)[:, None, None], axis=1)[:, 0]
     moved = count_B > 0
     feature = jnp.where(moved[:, None], last.astype(draft.feature.dtype), draft.feature[:batch])
     return DraftState(
-        cache=commit_kv(draft.cache, new, rows, start_B, count_B),
+        cache=cache,
         lengths=draft.lengths.at[:batch].set(
             jnp.where(moved, start_B + count_B, draft.lengths[:batch])
         ),  # fmt: skip
@@ -199,9 +206,10 @@ def draft_program(graphdef, drafter_config: ModelConfig, params, drafter_params,
     `hot_token_ids` ([U] int32) only when given (an argument, so new ids never recompile)."""
     model = nnx.merge(graphdef, params)
     draft = state.draft
+    _check_size(draft.cache, batch, kv_len)
     return draft_candidates(
         drafter_params, drafter_config, model.embed.get_value(), model.head_weight_DxV(),
-        draft.cache.view(batch, kv_len), draft.lengths[:batch], draft.feature[:batch],
+        draft.cache, draft.lengths[:batch], draft.feature[:batch],
         topk=topk, depth=depth, attention_impl=attention_impl, hot_token_ids=hot_token_ids,
     )  # fmt: skip
 
@@ -213,23 +221,26 @@ def tree_program(candidates: Candidates, state, *, batch: int, verify_tokens: in
                       verify_tokens=verify_tokens, max_depth=depth)  # fmt: skip
 
 
-def verify_program(graphdef, drafter_config: ModelConfig, params, drafter_params, state,
+def verify_program(graphdef, drafter_config: ModelConfig, params, layers, drafter_params, state,
                    tree: DraftTree, *, batch: int, kv_len: int, greedy_only: bool,
                    attention_impl: str = "xla", residual: str = "exact"):  # fmt: skip
-    """Verifies, accepts and commits one tree per slot in [0, batch).
+    """Verifies and accepts one tree per slot in [0, batch); `commit_program` then writes the
+    accepted path into the target cache.
 
     Returns:
-      (state, tokens_BxT, logprobs_BxT, num_emitted_B): the emitted tokens are
+      (state, tokens_BxT, logprobs_BxT, num_emitted_B, new_kv, path_BxT): the emitted tokens are
       `tokens[b, :num_emitted[b]]` (accepted drafts, then the correction or bonus token), with
       their logprobs under the target; the state's lengths grew by num_emitted, `last_token`
-      is the last emitted token and the drafter (if `drafter_params` is given) is in sync.
+      is the last emitted token and the drafter (if `drafter_params` is given) is in sync;
+      `new_kv` are the tree nodes' keys and values and `path_BxT` the accepted nodes, for the
+      commit.
     """
     model = nnx.merge(graphdef, params)
+    _check_size(state.cache, batch, kv_len)
     lengths = state.lengths[:batch]
-    features_BxTxD, new = model(
-        tree.tokens_BxT, tree.positions_BxT, mask_BxTxT=tree.mask_BxTxT,
-        cache=state.cache.view(batch, kv_len), cache_lens_B=lengths,
-        attention_impl=attention_impl,
+    features_BxTxD, new, _ = cached_forward(
+        model, layers, tree.tokens_BxT, tree.positions_BxT, state.cache, lengths,
+        mask_BxTxT=tree.mask_BxTxT, attention_impl=attention_impl,
     )  # fmt: skip
     logits_BxTxV = model.logits(features_BxTxD)
     result = accept_tree(
@@ -243,20 +254,27 @@ def verify_program(graphdef, drafter_config: ModelConfig, params, drafter_params
         path_features = jnp.take_along_axis(features_BxTxD, result.path_BxT[..., None], axis=1)
         draft = extend_drafter(
             drafter_params, drafter_config, model.embed.get_value(), state.draft,
-            result.tokens_BxT, path_features, lengths, count_B, batch=batch, kv_len=kv_len,
+            result.tokens_BxT, path_features, lengths, count_B, batch=batch,
             attention_impl=attention_impl,
         )  # fmt: skip
     last_token = jnp.take_along_axis(result.tokens_BxT, (count_B - 1)[:, None], axis=1)[:, 0]
     state = state.replace(
-        cache=commit_kv(state.cache, new, result.path_BxT, lengths, count_B),
         lengths=state.lengths.at[:batch].add(count_B),
         last_token=state.last_token.at[:batch].set(last_token),
         draft=draft,
     )
-    return state, result.tokens_BxT, result.logprobs_BxT, count_B
+    return state, result.tokens_BxT, result.logprobs_BxT, count_B, new, result.path_BxT
 
 
-def catchup_program(graphdef, drafter_config: ModelConfig, params, drafter_params, state,
+def commit_program(state, new: NewKV, path_BxT: jax.Array, count_B: jax.Array, *,
+                   batch: int):  # fmt: skip
+    """Writes the accepted path of the last `verify_program` (its `new_kv`, `path_BxT` and
+    `num_emitted_B`) into the target cache, at the positions before the verify's lengths."""
+    start_B = state.lengths[:batch] - count_B
+    return state.replace(cache=commit_kv(state.cache, new, path_BxT, start_B, count_B))
+
+
+def catchup_program(graphdef, drafter_config: ModelConfig, params, layers, drafter_params, state,
                     tokens_BxT, next_tokens_BxT, counts_B, *, batch: int, kv_len: int,
                     attention_impl: str = "xla"):  # fmt: skip
     """Brings the drafter of slots [0, batch) in sync with the target.
@@ -268,14 +286,20 @@ def catchup_program(graphdef, drafter_config: ModelConfig, params, drafter_param
     appends their pairs. Rows with count 0 are left alone.
     """
     model = nnx.merge(graphdef, params)
+    _check_size(state.cache, batch, kv_len)
     starts = state.draft.lengths[:batch]
     t = tokens_BxT.shape[1]
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    features_BxTxD, _ = model(tokens_BxT, positions, cache=state.cache.view(batch, kv_len),
-                              cache_lens_B=starts, attention_impl=attention_impl)  # fmt: skip
+    features_BxTxD, _, _ = cached_forward(model, layers, tokens_BxT, positions, state.cache,
+                                          starts, attention_impl=attention_impl)  # fmt: skip
     draft = extend_drafter(
         drafter_params, drafter_config, model.embed.get_value(), state.draft, next_tokens_BxT,
-        features_BxTxD, starts, counts_B, batch=batch, kv_len=kv_len,
-        attention_impl=attention_impl,
+        features_BxTxD, starts, counts_B, batch=batch, attention_impl=attention_impl,
     )  # fmt: skip
     return state.replace(draft=draft)
+
+
+def _check_size(cache: DecodeCache, batch: int, kv_len: int) -> None:
+    if (cache.batch, cache.length) != (batch, kv_len):
+        raise ValueError(f"the cache holds {cache.batch} slots x {cache.length} positions; this "
+                         f"program runs {batch} x {kv_len}")  # fmt: skip

@@ -1,0 +1,359 @@
+"""The policy's rollout form: per-layer weights, an exactly sized per-layer cache, and the
+cached forward over them (decode, tree verification, catch-up, the drafter's cache).
+
+Dimension legend as in `transformer.py` (B batch, T new tokens, S cache positions, L layers,
+K kv heads, H head dim, D model).
+
+Why a second form of the forward: training scans one layer body over weights stacked on a
+leading L axis (`Transformer.__call__`), which compiles like one layer. On XLA:CPU that scan
+copies every layer's weights out of the stacked arrays before its products, and a cache window
+cut from an [L, Bmax, Smax, K, H] cache is copied and transposed before attention reads it: at
+batch 32 most of a decode step was copies. Here:
+
+- the layers run unrolled over per-layer weight arrays (`unstack_layers`; the engine converts
+  the policy once per weight sync), 2-D matrices so that no product transposes a weight
+  (`flat_layer`): no weight is copied;
+- the cache (`DecodeCache`) is one array pair per layer, sized exactly to the step's batch
+  and kv bucket (the engine resizes it when the bucket changes, `DecodeCache.resized`), keys
+  [B, K, H, S] and values [B, K, S, H]: the attention products read them in place;
+- a step's new keys and values are written before attention reads the cache
+  (`cached_forward(write=True)`): the scatter then works in place, where a write after the
+  reads makes XLA copy every cache array first.
+
+Decode step of SmolLM2-135M against the scanned form, side by side in one process (random
+weights, 248 of 256 positions): 1.19x / 1.59x / 1.82x / 2.07x faster at batch 1 / 8 / 32 / 64
+(BENCHMARKS.md). Attention reads the cache positions below each row's start and the new
+tokens separately, in both modes, so written and read-only forwards compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.transformer import (
+    NewKV,
+    Transformer,
+    _scores,
+    apply_rope,
+    attention,
+    causal_mask,
+    rms_norm,
+    rope_inv_freq,
+    rope_sin_cos,
+)
+from tlt_jax.parallel.sharding import AnyMesh, Rules, constrain, named_sharding
+
+LayerParams = tuple[dict[str, jax.Array], ...]
+# Logical axes of a `DecodeCache` layer's keys and values.
+KEY_AXES = ("batch", "kv_heads", "head_dim", "kv_length")
+VALUE_AXES = ("batch", "kv_heads", "kv_length", "head_dim")
+
+
+@struct.dataclass
+class DecodeCache:
+    """Keys [B, K, H, S] and values [B, K, S, H] of every layer, one array pair per layer.
+
+    B and S are exactly the slots and positions a program computes over (no view, no window
+    copy); `resized` moves the contents to another size. Writers return a whole new cache.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    layout = "head_major"  # what `attention(cache_layout=...)` reads
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> DecodeCache:
+        k, h, dtype = config.num_kv_heads, config.head_dim, dtype or config.jnp_dtype
+        layers = range(config.num_layers)
+        return cls(
+            k=tuple(jnp.zeros((batch, k, h, length), dtype) for _ in layers),
+            v=tuple(jnp.zeros((batch, k, length, h), dtype) for _ in layers),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[3]
+
+    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
+        return self.k[i], self.v[i]
+
+    def token_major(self) -> NewKV:
+        """The whole cache as [L, B, S, K, H] keys and values (for checks and exports)."""
+        return NewKV(k=jnp.stack([jnp.transpose(x, (0, 3, 1, 2)) for x in self.k]),
+                     v=jnp.stack([jnp.transpose(x, (0, 2, 1, 3)) for x in self.v]))  # fmt: skip
+
+    def shardings(self, mesh: AnyMesh, rules: Rules) -> DecodeCache:
+        """`NamedSharding`s of this cache's arrays: slots over the rules' batch axes, heads like
+        the policy's kv heads."""
+        return DecodeCache(
+            k=tuple(named_sharding(x.shape, KEY_AXES, mesh, rules) for x in self.k),
+            v=tuple(named_sharding(x.shape, VALUE_AXES, mesh, rules) for x in self.v),
+        )
+
+    def resized(self, batch: int, length: int,
+                shardings: DecodeCache | None = None) -> DecodeCache:  # fmt: skip
+        """A cache of `batch` slots and `length` positions holding this one's overlap (the first
+        min(batch) slots and min(length) positions; the rest zero)."""
+        b, s = min(batch, self.batch), min(length, self.length)
+
+        def one(x, key_major: bool, sharding):
+            shape = (batch, x.shape[1], x.shape[2], length) if key_major else (
+                batch, x.shape[1], length, x.shape[3])  # fmt: skip
+            part = x[:b, :, :, :s] if key_major else x[:b, :, :s]
+            out = jax.lax.dynamic_update_slice(jnp.zeros(shape, x.dtype), part, (0, 0, 0, 0))
+            return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
+
+        ks = (None,) * self.num_layers if shardings is None else shardings.k
+        vs = (None,) * self.num_layers if shardings is None else shardings.v
+        return DecodeCache(
+            k=tuple(one(x, True, sh) for x, sh in zip(self.k, ks, strict=True)),
+            v=tuple(one(x, False, sh) for x, sh in zip(self.v, vs, strict=True)),
+        )
+
+    def write_layer(self, i: int, slots_Bx1: jax.Array, positions_BxA: jax.Array,
+                    k_BxAxKxH: jax.Array, v_BxAxKxH: jax.Array) -> DecodeCache:  # fmt: skip
+        """Layer i's keys/values of A tokens per row written at `positions_BxA` of slots
+        `slots_Bx1` (in place when donated); positions or slots out of range are dropped."""
+        k = self.k[i].at[slots_Bx1, :, :, positions_BxA].set(k_BxAxKxH.astype(self.k[i].dtype),
+                                                             mode="drop")  # fmt: skip
+        v = self.v[i].at[slots_Bx1, :, positions_BxA].set(v_BxAxKxH.astype(self.v[i].dtype),
+                                                          mode="drop")  # fmt: skip
+        return DecodeCache(k=self.k[:i] + (k,) + self.k[i + 1 :],
+                           v=self.v[:i] + (v,) + self.v[i + 1 :])  # fmt: skip
+
+    def write_positions(self, slots_Bx1: jax.Array, positions_BxA: jax.Array, k_LxBxAxKxH,
+                        v_LxBxAxKxH) -> DecodeCache:  # fmt: skip
+        """Token-major keys/values of every layer written like `write_layer`."""
+        cache = self
+        for i in range(self.num_layers):
+            cache = cache.write_layer(i, slots_Bx1, positions_BxA, k_LxBxAxKxH[i], v_LxBxAxKxH[i])
+        return cache
+
+    def write_prefix(self, slots_B: jax.Array, new: NewKV) -> DecodeCache:
+        """`new`'s T positions written at positions [0, T) of `slots_B` (prefill); slots out of
+        range and positions past the cache are dropped."""
+        t = new.k.shape[2]
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (slots_B.shape[0], t))
+        return self.write_positions(slots_B[:, None], positions, new.k, new.v)
+
+    def moved(self, src, dst) -> DecodeCache:
+        """Slot `src` copied into slot `dst` (every position: the cache is its kv bucket)."""
+
+        def move(x):
+            return jax.lax.dynamic_update_index_in_dim(
+                x, jax.lax.dynamic_index_in_dim(x, src, 0, keepdims=True), dst, 0)  # fmt: skip
+
+        return DecodeCache(k=tuple(move(x) for x in self.k), v=tuple(move(x) for x in self.v))
+
+
+def flat_layer(params: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """A layer's projections as 2-D matrices: q / k / v [D, heads x H], o [N x H, D], biases
+    [heads x H] (reshapes of contiguous arrays; 2-D arrays pass through).
+
+    Unrolled, the [D, N, H] / [N, H, D] forms made XLA:CPU transpose weight copies to its
+    preferred product layout in every layer (a decode step at batch 1 took 40 ms against
+    20 ms with 2-D weights, SmolLM2).
+    """
+    out = dict(params)
+    for name in ("q", "k", "v"):
+        if params[name].ndim == 3:
+            out[name] = params[name].reshape(params[name].shape[0], -1)
+    if params["o"].ndim == 3:
+        out["o"] = params["o"].reshape(-1, params["o"].shape[-1])
+    for name in ("q_bias", "k_bias", "v_bias"):
+        if name in params and params[name].ndim == 2:
+            out[name] = params[name].reshape(-1)
+    return out
+
+
+def unstack_layers(stacked: dict[str, jax.Array]) -> LayerParams:
+    """Per-layer weight dicts (`flat_layer` form) from weights stacked on a leading L axis."""
+    n = next(iter(stacked.values())).shape[0]
+    return tuple(flat_layer({name: value[i] for name, value in stacked.items()})
+                 for i in range(n))  # fmt: skip
+
+
+def layer_shardings(stacked: dict[str, jax.Array]):
+    """The shardings `unstack_layers` gives each layer's arrays: the stacked arrays' shardings
+    without the (unsharded) layer axis, merged dims sharded over both dims' mesh axes (major
+    first); None where an array has no named sharding."""
+
+    def merged(parts):
+        axes = []
+        for part in parts:
+            axes += [] if part is None else list(part) if isinstance(part, tuple) else [part]
+        return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+    def one(name, x):
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding
+        spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+        spec = spec[1:]
+        if name in ("q", "k", "v") and len(spec) == 3:
+            spec = [spec[0], merged(spec[1:])]
+        elif name == "o" and len(spec) == 3:
+            spec = [merged(spec[:2]), spec[2]]
+        elif name.endswith("_bias") and len(spec) == 2:
+            spec = [merged(spec)]
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+    n = next(iter(stacked.values())).shape[0]
+    return tuple({name: one(name, value) for name, value in stacked.items()} for _ in range(n))
+
+
+def _inputs(p, x_BxTxD, sin_cos, config: ModelConfig, input_norm: bool):
+    """`transformer.attention_inputs` with 2-D weights."""
+    b, t, d = x_BxTxD.shape
+    n, kv, h, dtype = config.num_heads, config.num_kv_heads, config.head_dim, config.jnp_dtype
+    x = rms_norm(x_BxTxD, p["attn_norm"], config.rms_norm_eps) if input_norm else x_BxTxD
+    x = x.reshape(b * t, d)
+
+    def project(name, heads):
+        y = x @ p[name].astype(dtype)
+        if config.attention_bias:
+            y = y + p[f"{name}_bias"].astype(dtype)
+        return y.reshape(b, t, heads, h)
+
+    q_axes, kv_axes = ("batch", "length", "q_heads", "head_dim"), ("batch", "length", "kv_heads",
+                                                                   "head_dim")  # fmt: skip
+    q = constrain(apply_rope(project("q", n), *sin_cos), q_axes)
+    k = constrain(apply_rope(project("k", kv), *sin_cos), kv_axes)
+    v = constrain(project("v", kv), kv_axes)
+    return q, k, v
+
+
+def _output(p, x_BxTxD, attn_BxTxNxH, config: ModelConfig):
+    """`transformer.layer_output` with 2-D weights."""
+    b, t, d = x_BxTxD.shape
+    dtype = config.jnp_dtype
+    w = {name: p[name].astype(dtype) for name in ("o", "gate", "up", "down")}
+    x = x_BxTxD + (attn_BxTxNxH.reshape(b * t, -1) @ w["o"]).reshape(b, t, d)
+    x = constrain(x, ("batch", "length", "embed"))
+    hid = rms_norm(x, p["mlp_norm"], config.rms_norm_eps).reshape(b * t, d)
+    hidden = constrain(jax.nn.silu(hid @ w["gate"]) * (hid @ w["up"]), ("batch", "mlp"))
+    x = x + (hidden @ w["down"]).reshape(b, t, d)
+    return constrain(x, ("batch", "length", "embed"))
+
+
+def head_major_attention(q_BxTxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
+                         mask_BxTxT: jax.Array, cache_k_BxKxHxS: jax.Array,
+                         cache_v_BxKxSxH: jax.Array,
+                         cache_lens_B: jax.Array) -> jax.Array:  # fmt: skip
+    """Softmax attention over a `DecodeCache` layer's positions `< cache_lens_B` plus the new
+    tokens under `mask_BxTxT` (`transformer.attention`'s math, float32 scores).
+
+    Shaped for the products to read the cache in place: the G query heads of a kv head and the
+    T tokens are one row axis M = G x T, so both products are [B, K] batches of [M, H] x [H, S]
+    and [M, S] x [S, H] (XLA:CPU gives these to its fused YNNPACK kernels; written with T as
+    an axis of its own, as `transformer.attention` does, it ran them as generic dots and the
+    whole decode step was 1.2x slower than the scanned form at batch 8-64, SmolLM2). The two
+    parts' softmax shares one max and one sum, so no [.., S + T] concatenation is copied.
+    """
+    b, t, n, h = q_BxTxNxH.shape
+    kv = k_BxTxKxH.shape[2]
+    g = n // kv
+    s = cache_k_BxKxHxS.shape[3]
+    scale = jnp.asarray(h**-0.5, q_BxTxNxH.dtype)
+    q_BxKxMxH = jnp.transpose((q_BxTxNxH * scale).reshape(b, t, kv, g, h), (0, 2, 3, 1, 4))
+    q_BxKxMxH = q_BxKxMxH.reshape(b, kv, g * t, h)
+    k_BxKxTxH = jnp.transpose(k_BxTxKxH, (0, 2, 1, 3))
+    v_BxKxTxH = jnp.transpose(v_BxTxKxH, (0, 2, 1, 3)).astype(cache_v_BxKxSxH.dtype)
+    neg = jnp.finfo(jnp.float32).min
+    valid_Bx1x1xS = (jnp.arange(s)[None, :] < cache_lens_B[:, None])[:, None, None, :]
+    logits_cache = jnp.where(valid_Bx1x1xS, _scores("BKMH,BKHS->BKMS", q_BxKxMxH,
+                                                    cache_k_BxKxHxS), neg)  # fmt: skip
+    mask_Bx1xMxT = jnp.broadcast_to(mask_BxTxT[:, None, None], (b, 1, g, t, t)).reshape(
+        b, 1, g * t, t)  # fmt: skip
+    logits_new = jnp.where(mask_Bx1xMxT, _scores("BKMH,BKTH->BKMT", q_BxKxMxH, k_BxKxTxH), neg)
+    top = jnp.maximum(logits_cache.max(-1, keepdims=True), logits_new.max(-1, keepdims=True))
+    p_cache, p_new = jnp.exp(logits_cache - top), jnp.exp(logits_new - top)
+    norm = p_cache.sum(-1, keepdims=True) + p_new.sum(-1, keepdims=True)
+    dtype = cache_v_BxKxSxH.dtype
+    out = _scores("BKMS,BKSH->BKMH", (p_cache / norm).astype(dtype), cache_v_BxKxSxH)
+    out = out + _scores("BKMT,BKTH->BKMH", (p_new / norm).astype(dtype), v_BxKxTxH)
+    out = jnp.transpose(out.reshape(b, kv, g, t, h), (0, 3, 1, 2, 4))
+    return out.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
+
+
+def cached_layers(layers: LayerParams, x_BxTxD: jax.Array, sin_cos, mask_BxTxT: jax.Array,
+                  config: ModelConfig, cache: DecodeCache, starts_B: jax.Array, *,
+                  write: bool, attention_impl: str = "xla",
+                  input_norm: bool = True) -> tuple[jax.Array, NewKV, DecodeCache]:  # fmt: skip
+    """Runs `layers` unrolled over T new tokens per row against `cache`.
+
+    Every query attends to cache positions `< starts_B[b]` and to the new tokens `mask_BxTxT`
+    allows. With `write`, each layer first writes its new keys/values at positions
+    `starts_B + t` (past the cache: dropped), then reads; positions at or past `starts_B` are
+    never read, so the written forward computes the same numbers as the read-only one.
+
+    Returns:
+      (output x, NewKV of the T tokens [L, B, T, K, H], the cache (written with `write`)).
+    """
+    if len(layers) != cache.num_layers:
+        raise ValueError(f"{len(layers)} layers of weights but the cache has {cache.num_layers}")
+    b, t = x_BxTxD.shape[:2]
+    slots_Bx1 = jnp.arange(b, dtype=jnp.int32)[:, None]
+    positions_BxT = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    ks, vs = [], []
+    for i, params in enumerate(layers):
+        params = flat_layer(params)
+        q, k, v = _inputs(params, x_BxTxD, sin_cos, config, input_norm)
+        if write:
+            cache = cache.write_layer(i, slots_Bx1, positions_BxT, k, v)
+        cache_k, cache_v = cache.layer(i)
+        if attention_impl == "xla":
+            attn = head_major_attention(q, k, v, mask_BxTxT, cache_k, cache_v, starts_B)
+        else:
+            attn = attention(q, k, v, mask_BxTxT, cache_k, cache_v, starts_B, attention_impl,
+                             cache_layout=cache.layout)  # fmt: skip
+        x_BxTxD = _output(params, x_BxTxD, attn, config)
+        ks.append(k)
+        vs.append(v)
+    return x_BxTxD, NewKV(k=jnp.stack(ks), v=jnp.stack(vs)), cache
+
+
+def cached_forward(model: Transformer, layers: LayerParams, tokens_BxT: jax.Array,
+                   positions_BxT: jax.Array, cache: DecodeCache, starts_B: jax.Array, *,
+                   mask_BxTxT: jax.Array | None = None, write: bool = False,
+                   attention_impl: str = "xla",
+                   ) -> tuple[jax.Array, NewKV, DecodeCache]:  # fmt: skip
+    """The policy's forward over T new tokens per row against a `DecodeCache`.
+
+    Args:
+      model: the policy (its embedding, final norm and head; its stacked layers are unused).
+      layers: the policy's per-layer weights (`unstack_layers` of the same policy).
+      tokens_BxT / positions_BxT: token ids and their RoPE positions.
+      cache: B slots' keys and values; row b's first `starts_B[b]` positions are valid.
+      starts_B: valid cached length per row.
+      mask_BxTxT: which new tokens each new token attends to (default causal; a tree mask for
+        verification).
+      write: write the new tokens' keys/values at `starts_B + t` (decode steps, the drafter's
+        extend) instead of leaving the cache alone (verification: its commit writes only the
+        accepted path, in a separate program).
+      attention_impl: "xla" or "pallas".
+
+    Returns:
+      (final-norm features [B, T, D], NewKV of the T tokens, the cache).
+    """
+    config = model.config
+    b, t = tokens_BxT.shape
+    if cache.batch != b:
+        raise ValueError(f"cache has {cache.batch} slots for a batch of {b} rows")
+    mask = causal_mask(b, t) if mask_BxTxT is None else mask_BxTxT
+    sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
+    x, new, cache = cached_layers(layers, model.embed_tokens(tokens_BxT), sin_cos, mask, config,
+                                  cache, starts_B, write=write,
+                                  attention_impl=attention_impl)  # fmt: skip
+    return rms_norm(x, model.final_norm.get_value(), config.rms_norm_eps), new, cache
