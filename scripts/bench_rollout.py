@@ -9,6 +9,9 @@ distribution), at batch 1 / 8 / 32 / 64. Per batch, the engine and transformers 
 (the order flips every repeat) so both sides see the same machine load; each reports its best,
 median and worst tokens/s over `--repeats` runs, the ratio uses the best of each.
 
+With `--sync_side`, the engine also runs with `overlap_host=False` (each step's tokens read
+before the next step is dispatched) beside the default, and `overlap_speedup` is their ratio.
+
 Beside the figures, what bounds them on this machine, measured by the script
 (`tlt_jax.rollout.limits`): batch 1 against the read bandwidth of a large-array reduction
 (every weight is read once per step: `bandwidth_floor_fraction_bs1`), batch 32 against the
@@ -17,6 +20,7 @@ a tree of 4 / 8 tokens over a 1-token forward at batch 1 (`verify4_over_plain_bs
 `verify8_over_plain_bs1`).
 """
 
+import dataclasses
 import json
 import sys
 import time
@@ -31,6 +35,8 @@ flags.DEFINE_float("temperature", 0.8, "Temperature of the sampled mode.")
 flags.DEFINE_integer("new_tokens", 128, "Generated tokens per request.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per point and side (alternating sides).")
 flags.DEFINE_bool("transformers", True, "Also measure HF transformers.")
+flags.DEFINE_bool("sync_side", False, "Also measure the engine with overlap_host=False (each "
+                  "step's tokens read before the next is dispatched): `overlap_speedup`.")
 FLAGS = flags.FLAGS
 
 PROMPT = [{"role": "user", "content": "Explain why the sky is blue in a few sentences."}]
@@ -113,13 +119,18 @@ def main(argv):
     model = checkpoints.load_model(FLAGS.model)
     hf = load_transformers(FLAGS.model) if FLAGS.transformers else None
     temperatures = {"greedy": 0.0, "sampled": FLAGS.temperature}
-    runs = {side: {m: {} for m in FLAGS.modes} for side in ("tlt_jax", "transformers")}
+    names = ("tlt_jax", "transformers") + (("tlt_jax_sync",) if FLAGS.sync_side else ())
+    runs = {side: {m: {} for m in FLAGS.modes} for side in names}
     for batch in batches:
-        engine = RolloutEngine(model, EngineConfig(max_batch_size=batch, max_seq_len=512,
-                                                   max_prefill_batch=min(batch, 8)))  # fmt: skip
+        config = EngineConfig(max_batch_size=batch, max_seq_len=512,
+                              max_prefill_batch=min(batch, 8))  # fmt: skip
+        engine = RolloutEngine(model, config)
+        sync = RolloutEngine(model, dataclasses.replace(config, overlap_host=False))
         for mode in FLAGS.modes:
             t = temperatures[mode]
             sides = {"tlt_jax": engine_run(engine, prompt, batch, FLAGS.new_tokens, t)}
+            if FLAGS.sync_side:
+                sides["tlt_jax_sync"] = engine_run(sync, prompt, batch, FLAGS.new_tokens, t)
             if hf is not None:
                 sides["transformers"] = transformers_run(hf, prompt, batch, FLAGS.new_tokens, t)
             for run in sides.values():  # the engine compiles this batch's programs
@@ -136,8 +147,8 @@ def main(argv):
                            for m, by_batch in by_mode.items()}
                     for side, by_mode in runs.items()}  # fmt: skip
 
-    def ratio(mode):
-        ours, theirs = tokens_per_s["tlt_jax"][mode], tokens_per_s["transformers"][mode]
+    def ratio(mode, other="transformers"):
+        ours, theirs = tokens_per_s["tlt_jax"][mode], tokens_per_s[other][mode]
         return {b: round(ours[b]["best"] / theirs[b]["best"], 3) for b in theirs}
 
     best = {m: {b: f["best"] for b, f in tokens_per_s["tlt_jax"][m].items()} for m in FLAGS.modes}
@@ -176,6 +187,8 @@ def main(argv):
         "verify4_over_plain_bs1": verify[4] / verify[1],
         "verify8_over_plain_bs1": verify[8] / verify[1],
     }
+    if FLAGS.sync_side:  # what overlapping the host with the device step pays
+        out["overlap_speedup"] = {m: ratio(m, "tlt_jax_sync") for m in FLAGS.modes}
     if hf is not None:
         if "greedy" in FLAGS.modes:
             out["ratio_vs_transformers"] = ratio("greedy")

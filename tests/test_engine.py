@@ -251,3 +251,32 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model):
             assert got.sharding.is_equivalent_to(expected, got.ndim)
     assert engines[1].stats.spec_steps > 0
     assert any(k[0] == "resize" and k[3] == 4 for k in engines[1].pool.keys())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_overlapping_the_host_changes_no_token(model, temperature):
+    """`overlap_host`: each plain step is dispatched before the previous one's tokens are read,
+    so a stop is seen one step late; the extra token is dropped and every output (tokens,
+    logprobs, finish reasons) equals the synchronous engine's, stop tokens, length caps, slot
+    moves and a queue included. Steps overlap only once the queue is empty."""
+    rng = np.random.default_rng(11)
+    sampling = SamplingParams(temperature=temperature)
+    requests = [Request(r.prompt_ids, r.max_new_tokens, sampling, stop_ids=(3, 7, 11),
+                        seed=i) for i, r in enumerate(random_requests(rng, 10))]  # fmt: skip
+    outs, engines = [], []
+    for overlap in (False, True):
+        eng = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=256,
+                                                max_prefill_batch=2, min_kv_bucket=32,
+                                                overlap_host=overlap))  # fmt: skip
+        outs.append(eng.generate(requests))
+        engines.append(eng)
+    sync, overlapped = outs
+    assert any(c.finish_reason == "stop" for c in sync)
+    assert any(c.finish_reason == "length" for c in sync)
+    for a, b in zip(sync, overlapped, strict=True):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+    # Extra steps only where a request stopped on a token while others were in flight.
+    extra = engines[1].stats.decode_steps - engines[0].stats.decode_steps
+    assert 0 <= extra <= sum(c.finish_reason == "stop" for c in sync)
+    assert engines[1].stats.generated_tokens == engines[0].stats.generated_tokens

@@ -432,11 +432,14 @@ def test_pallas_attention_matches_xla(aligned):
 @pytest.fixture(scope="module")
 def engines(aligned):
     """One SD engine (SD at <= 1 running request) whose plain mode is the reference; lazy
-    drafter sync, so the switch into SD runs the catch-up."""
+    drafter sync, so the switch into SD runs the catch-up. Synchronous steps, so the switch
+    comes exactly at the step a request finishes (with `overlap_host` the next plain step is
+    already in flight then: tests/test_engine.py and test_tlt_rollout.py cover that)."""
     model, drafter = aligned
     config = EngineConfig(max_batch_size=2, max_prefill_batch=2, max_seq_len=KV_LEN,
                           min_kv_bucket=KV_LEN, spec_strategy=SpecStrategy(3, 2, 6),
-                          spec_max_batch=1, drafter_sync="lazy")  # fmt: skip
+                          spec_max_batch=1, drafter_sync="lazy",
+                          overlap_host=False)  # fmt: skip
     sd = RolloutEngine(model, config, drafter=drafter)
     plain = RolloutEngine(model, config, drafter=drafter)
     plain.step_policy = PlainPolicy()  # the declared seam: plain decoding only

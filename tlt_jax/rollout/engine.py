@@ -105,6 +105,12 @@ class EngineConfig:
     # positions). bench_spec on SmolLM2: eager adds <= 2% to a plain step at batch 1-16; the
     # lazy catch-up after 128 plain steps costs 8-34 plain steps.
     drafter_sync: str = "eager"
+    # Plain decode steps are dispatched before the previous step's tokens are read (when no
+    # request waits to be admitted): the host's per-step work (argument dispatch, reading and
+    # emitting tokens, stop checks, slot moves) overlaps the device's step. A request's stop is
+    # then seen one step late; the one token computed after it is dropped (outputs are those
+    # of `overlap_host=False`, token for token).
+    overlap_host: bool = True
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "max_prefill_batch", "min_kv_bucket",
@@ -391,6 +397,19 @@ def _move_slot(state: DecodeState, src, dst):
 
 
 @dataclasses.dataclass
+class _Pending:
+    """A plain decode step dispatched and not yet read."""
+
+    running: list  # the slots' requests when it was dispatched (slot i: running[i])
+    tokens: jax.Array
+    logprobs: jax.Array
+    eager: bool  # it also extended the drafters
+    choice: StepChoice | None  # what the step policy chose (None: plain)
+    dispatched: float
+    compiled: bool  # it compiled a program (no bandit reward)
+
+
+@dataclasses.dataclass
 class _Running:
     index: int
     request: Request
@@ -637,7 +656,8 @@ class RolloutEngine:
                 run.draft_len = len(run.request.prompt_ids)
         return np.asarray(next_tokens), np.asarray(logprobs)
 
-    def _run_decode(self, running: list[_Running]):
+    def _dispatch_decode(self, running: list[_Running], choice) -> _Pending:
+        """Dispatches one plain decode step for `running` (read later by `_read_decode`)."""
         cfg = self.config
         b, s = self.state.cache.batch, self.state.cache.length  # fitted by generate()
         greedy = all(r.request.sampling.greedy for r in running)
@@ -649,13 +669,27 @@ class RolloutEngine:
                                greedy_only=greedy, drafter_config=self.drafter_config,
                                attention_impl=cfg.spec_attention_impl)  # fmt: skip
         args = (self.params, self.layers, self.state, self.drafter_params if eager else None)
+        compiled = self.stats.compile_count
+        dispatched = time.perf_counter()
         program = self._program(("decode", b, s, greedy, eager), fn, *args, donate=(2,))
         self.state, tokens, logprobs = program(*args)
         self.stats.decode_steps += 1
-        if eager:
-            for run in running:
-                run.draft_len = run.cache_len + 1  # the step's token enters the cache next
-        return np.asarray(tokens), np.asarray(logprobs)
+        return _Pending(list(running), tokens, logprobs, eager, choice, dispatched,
+                        self.stats.compile_count != compiled)  # fmt: skip
+
+    def _read_decode(self, step: _Pending) -> int:
+        """Reads a plain step's tokens and emits them to the requests that were still running
+        (a request that finished at the step before gets none); returns the tokens emitted."""
+        tokens, logprobs = np.asarray(step.tokens), np.asarray(step.logprobs)
+        emitted = 0
+        for i, run in enumerate(step.running):
+            if run.completion.finish_reason:
+                continue
+            self._emit(run, int(tokens[i]), float(logprobs[i]))
+            emitted += 1
+            if step.eager:
+                run.draft_len = run.cache_len  # the drafter took the step's pair too
+        return emitted
 
     def _move(self, src: int, dst: int) -> None:
         cache = self.state.cache
@@ -707,8 +741,23 @@ class RolloutEngine:
         self._margin = self._kv_margin()
         if self.ngram is not None:  # an interrupted generate() leaves its requests live
             self.ngram.finish_all(keep=False)
+        pending: _Pending | None = None  # a plain step dispatched, not yet read
+        last_read = start
+
+        def read(step: _Pending) -> None:
+            nonlocal running, last_read
+            emitted = self._read_decode(step)
+            now = time.perf_counter()
+            if not step.compiled:  # a step that compiled is no reward
+                policy.record(step.choice, len(step.running), emitted,
+                              now - max(step.dispatched, last_read))  # fmt: skip
+            last_read = now
+            self.stats.timeline.append((now - start, len(step.running), arm_name(step.choice)))
+            running = self._retire(running, done, now, bar)
+
         while queue or running:
-            # Admit queued requests into free slots, one prefill per group.
+            # Admit queued requests into free slots, one prefill per group (no step is in
+            # flight while requests wait: `overlap_host` needs an empty queue).
             while queue and len(running) < cfg.max_batch_size:
                 # Up to max_prefill_batch distinct prompts per prefill, into any free slots.
                 room = cfg.max_batch_size - len(running)
@@ -732,24 +781,35 @@ class RolloutEngine:
                 running = self._retire(running, done, now, bar)
             if not running:
                 continue
-            max_len = max(r.cache_len for r in running)
-            n = len(running)
-            self._fit_cache(n, max_len + self._margin, shrink_slots=not queue)
-            choice = policy.choose(n)
+            choice = policy.choose(len(running))
+            # The step in flight is read first before an SD step (which needs the settled
+            # batch) and when it is every running request's last (by length).
+            settle = choice is not None or all(_ends_at_next_token(r) for r in running)
+            if pending is not None and settle:
+                read(pending)
+                pending = None
+                if not running:
+                    continue
+            # A step in flight has not entered its token in any cache_len yet.
+            max_len = max(r.cache_len for r in running) + (pending is not None)
+            self._fit_cache(len(running), max_len + self._margin, shrink_slots=not queue)
+            if choice is None:
+                step = self._dispatch_decode(running, choice)
+                if pending is not None:
+                    read(pending)  # while `step` runs
+                pending = step
+                if not (cfg.overlap_host and not queue):
+                    read(pending)
+                    pending = None
+                continue
             compiled = self.stats.compile_count
             dispatched = time.perf_counter()
-            if choice is None:
-                tokens, logprobs = self._run_decode(running)
-                now = time.perf_counter()
-                emitted = n
-                for i, run in enumerate(running):
-                    self._emit(run, int(tokens[i]), float(logprobs[i]))
-            else:
-                emitted = self._spec_step(running, choice)
-                now = time.perf_counter()
+            emitted = self._spec_step(running, choice)
+            now = time.perf_counter()
             if self.stats.compile_count == compiled:  # a step that compiled is no reward
-                policy.record(choice, n, emitted, now - dispatched)
-            self.stats.timeline.append((now - start, n, arm_name(choice)))
+                policy.record(choice, len(running), emitted, now - dispatched)
+            last_read = now
+            self.stats.timeline.append((now - start, len(running), arm_name(choice)))
             running = self._retire(running, done, now, bar)
         if bar is not None:
             bar.close()
@@ -810,6 +870,11 @@ class RolloutEngine:
                 bar.update(1)
                 bar.set_postfix(tokens=self.stats.generated_tokens, running=len(running))
         return running
+
+
+def _ends_at_next_token(run: _Running) -> bool:
+    """Whether the request's next token is its last by length (a stop token is not known)."""
+    return len(run.completion.token_ids) + 1 >= run.request.max_new_tokens
 
 
 def _progress_bar(total: int, progress: bool | None):
