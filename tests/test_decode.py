@@ -98,7 +98,8 @@ def _temp_bytes(fn, *args, donate):
     return memory_report(jax.jit(fn, donate_argnums=donate).lower(*args).compile())["temp"]
 
 
-def test_decode_verify_and_commit_update_the_cache_in_place():
+@pytest.mark.parametrize("b", [1, 8])
+def test_decode_verify_and_commit_update_the_cache_in_place(b):
     """No program copies the cache: a decode step writes its keys/values before attention
     reads them, verification only reads, and the commit only writes (a write after a read in
     one program makes XLA copy every cache array, as much traffic as the step itself). Head
@@ -107,7 +108,7 @@ def test_decode_verify_and_commit_update_the_cache_in_place():
     config = model.config
     graphdef, params = nnx.split(model)
     layers = unstack_layers(model.layers.stacked())
-    b, s = 8, 1024
+    s = 1024
     state = engine_lib.DecodeState.create(config, b, s)
     array_bytes = b * s * config.num_kv_heads * config.head_dim * 4  # one layer's keys
     decode = functools.partial(engine_lib.decode_program, graphdef, batch=b, kv_len=s,

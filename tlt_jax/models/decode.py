@@ -125,6 +125,12 @@ class DecodeCache:
                     k_BxAxKxH: jax.Array, v_BxAxKxH: jax.Array) -> DecodeCache:  # fmt: skip
         """Layer i's keys/values of A tokens per row written at `positions_BxA` of slots
         `slots_Bx1` (in place when donated); positions or slots out of range are dropped."""
+        if positions_BxA.size == 1:
+            # One write: XLA:CPU turns a one-index scatter into a dynamic-update-slice it
+            # does on a copy of the array (the whole cache, at batch 1); the same write twice
+            # stays a scatter, done in place.
+            slots_Bx1, positions_BxA, k_BxAxKxH, v_BxAxKxH = (
+                jnp.concatenate([x, x]) for x in (slots_Bx1, positions_BxA, k_BxAxKxH, v_BxAxKxH))
         k = self.k[i].at[slots_Bx1, :, :, positions_BxA].set(k_BxAxKxH.astype(self.k[i].dtype),
                                                              mode="drop")  # fmt: skip
         v = self.v[i].at[slots_Bx1, :, positions_BxA].set(v_BxAxKxH.astype(self.v[i].dtype),
