@@ -542,6 +542,45 @@ def test_engine_stop_token_and_max_new_tokens_inside_accepted_run(engines, align
     assert sd.stats.compile_count == compiled  # steady state: the pool has every program
 
 
+class _Counting:
+    """Wraps a step policy; keeps every `choose` that planned an SD step."""
+
+    def __init__(self, inner):
+        self.inner, self.sd_choices = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def choose(self, num_running):
+        choice = self.inner.choose(num_running)
+        if choice is not None:
+            self.sd_choices.append(num_running)
+        return choice
+
+
+def test_overlapped_engine_runs_every_sd_step_it_chose(engines, aligned):
+    """With `overlap_host`, a plain step is in flight when the batch reaches the SD threshold;
+    it is read before the policy chooses, so each SD choice is for the batch that runs it (a
+    choice made before the read was lost when that read retired the last request, and counted
+    by the bandit as a step that never ran). Request 0 ends by length at token j while request
+    1's token j, its stop token, is in flight."""
+    sd, plain = engines
+    prompts = random_prompts(2, aligned[0].config.vocab_size, seed=21)
+    tokens = plain.generate(_requests(prompts, {}))[1].token_ids
+    stops = [j for j in range(3, 12) if tokens[j] not in tokens[:j]]
+    assert stops, "request 1 repeats its earlier tokens"
+    over = RolloutEngine(aligned[0], dataclasses.replace(sd.config, overlap_host=True),
+                         drafter=aligned[1])  # fmt: skip
+    over.step_policy = _Counting(over.step_policy)
+    for j in stops:
+        before = over.stats.spec_steps
+        over.step_policy.sd_choices.clear()
+        got = over.generate([Request(prompts[0], j),
+                             Request(prompts[1], 40, stop_ids=(tokens[j],))])  # fmt: skip
+        assert got[1].token_ids == tokens[: j + 1] and got[1].finish_reason == "stop"
+        assert over.step_policy.sd_choices == [1] * (over.stats.spec_steps - before)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 SAMPLE_ROWS = 4096

@@ -93,6 +93,15 @@ class StepPolicy(Protocol):
         """A `generate` call starts (a new rollout)."""
         ...
 
+    def may_speculate(self, num_running: int) -> bool:
+        """Whether the next `choose(num_running)` may plan an SD step (no side effects).
+
+        With a plain step in flight, the engine reads it (settling the batch an SD step needs)
+        before choosing when this is true; when false it chooses at `num_running`, which must
+        then return None, and reads the step while the next one runs.
+        """
+        ...
+
     def choose(self, num_running: int) -> StepChoice | None:
         """The next step's plan; None: plain decoding."""
         ...
@@ -122,6 +131,9 @@ class PlainPolicy:
     def begin(self) -> None:
         pass
 
+    def may_speculate(self, num_running: int) -> bool:
+        return bool(self.choices())
+
     def choose(self, num_running: int) -> StepChoice | None:
         return None
 
@@ -147,6 +159,9 @@ class FixedPolicy(PlainPolicy):
 
     def choices(self) -> Sequence[StepChoice]:
         return (self.choice,)
+
+    def may_speculate(self, num_running: int) -> bool:
+        return self.max_batch is None or num_running <= self.max_batch
 
     def choose(self, num_running: int) -> StepChoice | None:
         if self.max_batch is not None and num_running > self.max_batch:
@@ -278,6 +293,10 @@ class AdaptivePolicy:
         # The engine pads a batch to its bucket, so the bucket's size decides what it costs.
         size = max(num_running, min(engine_bucket(num_running), self.config.threshold))
         return self.config.bucket_arms(self.config.beg_bucket(size))
+
+    def may_speculate(self, num_running: int) -> bool:
+        # A step in flight only retires requests: a batch over the threshold stays plain.
+        return num_running <= self.config.threshold
 
     def choose(self, num_running: int) -> StepChoice | None:
         cfg = self.config

@@ -781,15 +781,20 @@ class RolloutEngine:
                 running = self._retire(running, done, now, bar)
             if not running:
                 continue
-            choice = policy.choose(len(running))
-            # The step in flight is read first before an SD step (which needs the settled
-            # batch) and when it is every running request's last (by length).
-            settle = choice is not None or all(_ends_at_next_token(r) for r in running)
-            if pending is not None and settle:
+            # The step in flight is read first when the policy may plan an SD step (which
+            # needs the settled batch, and is chosen at its size) and when it is every running
+            # request's last (by length).
+            if pending is not None and (policy.may_speculate(len(running)) or all(
+                    _ends_at_next_token(r) for r in running)):  # fmt: skip
                 read(pending)
                 pending = None
                 if not running:
                     continue
+            choice = policy.choose(len(running))
+            if choice is not None and pending is not None:
+                raise RuntimeError(f"step policy {type(policy).__name__} chose {choice} at "
+                                   f"{len(running)} running requests after may_speculate "
+                                   "said it would not")  # fmt: skip
             # A step in flight has not entered its token in any cache_len yet.
             max_len = max(r.cache_len for r in running) + (pending is not None)
             self._fit_cache(len(running), max_len + self._margin, shrink_slots=not queue)
