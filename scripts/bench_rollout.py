@@ -11,6 +11,10 @@ median and worst tokens/s over `--repeats` runs, the ratio uses the best of each
 
 With `--sync_side`, the engine also runs with `overlap_host=False` (each step's tokens read
 before the next step is dispatched) beside the default, and `overlap_speedup` is their ratio.
+With `--dtypes=bfloat16`, an engine on the same weights in that dtype (parameters and
+compute) runs beside the float32 one: `dtype_speedup` per mode and batch, and `dtype_parity`
+(argmax agreement and largest logit error against the float32 model, teacher-forced on the
+prompt and a greedy continuation).
 
 Beside the figures, what bounds them on this machine, measured by the script
 (`tlt_jax.rollout.limits`): batch 1 against the read bandwidth of a large-array reduction
@@ -35,12 +39,23 @@ flags.DEFINE_float("temperature", 0.8, "Temperature of the sampled mode.")
 flags.DEFINE_integer("new_tokens", 128, "Generated tokens per request.")
 flags.DEFINE_integer("repeats", 3, "Timed runs per point and side (alternating sides).")
 flags.DEFINE_bool("transformers", True, "Also measure HF transformers.")
-flags.DEFINE_bool("sync_side", False, "Also measure the engine with overlap_host=False (each "
-                  "step's tokens read before the next is dispatched): `overlap_speedup`.")
+flags.DEFINE_bool(
+    "sync_side",
+    False,
+    "Also measure the engine with overlap_host=False (each "
+    "step's tokens read before the next is dispatched): `overlap_speedup`.",
+)
+flags.DEFINE_list(
+    "dtypes",
+    [],
+    "Also measure the engine with the weights in these dtypes "
+    "(e.g. bfloat16): `dtype_speedup` and `dtype_parity`.",
+)
 FLAGS = flags.FLAGS
 
 PROMPT = [{"role": "user", "content": "Explain why the sky is blue in a few sentences."}]
 MODES = ("greedy", "sampled")
+DTYPES = ("bfloat16", "float16")  # besides the float32 engine
 
 
 def engine_run(engine, prompt, batch, new_tokens, temperature):
@@ -105,6 +120,9 @@ def main(argv):
     batches = [int(b) for b in FLAGS.batch_sizes]
     if not batches or min(batches) < 1:
         raise app.UsageError(f"--batch_sizes={FLAGS.batch_sizes} must be positive integers")
+    bad = [d for d in FLAGS.dtypes if d not in DTYPES]
+    if bad:
+        raise app.UsageError(f"--dtypes {bad} are not among {list(DTYPES)}")
     import jax
 
     from tlt_jax.models import checkpoints
@@ -118,19 +136,25 @@ def main(argv):
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     model = checkpoints.load_model(FLAGS.model)
     hf = load_transformers(FLAGS.model) if FLAGS.transformers else None
+    others = {d: checkpoints.load_model(FLAGS.model, dtype=d, param_dtype=d) for d in FLAGS.dtypes}
     temperatures = {"greedy": 0.0, "sampled": FLAGS.temperature}
-    names = ("tlt_jax", "transformers") + (("tlt_jax_sync",) if FLAGS.sync_side else ())
+    names = (("tlt_jax", "transformers") + (("tlt_jax_sync",) if FLAGS.sync_side else ())
+             + tuple(f"tlt_jax_{d}" for d in others))  # fmt: skip
     runs = {side: {m: {} for m in FLAGS.modes} for side in names}
     for batch in batches:
         config = EngineConfig(max_batch_size=batch, max_seq_len=512,
                               max_prefill_batch=min(batch, 8))  # fmt: skip
         engine = RolloutEngine(model, config)
         sync = RolloutEngine(model, dataclasses.replace(config, overlap_host=False))
+        typed = {d: RolloutEngine(m, config) for d, m in others.items()}
         for mode in FLAGS.modes:
             t = temperatures[mode]
             sides = {"tlt_jax": engine_run(engine, prompt, batch, FLAGS.new_tokens, t)}
             if FLAGS.sync_side:
                 sides["tlt_jax_sync"] = engine_run(sync, prompt, batch, FLAGS.new_tokens, t)
+            for d, typed_engine in typed.items():
+                sides[f"tlt_jax_{d}"] = engine_run(typed_engine, prompt, batch,
+                                                   FLAGS.new_tokens, t)  # fmt: skip
             if hf is not None:
                 sides["transformers"] = transformers_run(hf, prompt, batch, FLAGS.new_tokens, t)
             for run in sides.values():  # the engine compiles this batch's programs
@@ -147,8 +171,10 @@ def main(argv):
                            for m, by_batch in by_mode.items()}
                     for side, by_mode in runs.items()}  # fmt: skip
 
-    def ratio(mode, other="transformers"):
+    def ratio(mode, other="transformers", inverse=False):
         ours, theirs = tokens_per_s["tlt_jax"][mode], tokens_per_s[other][mode]
+        if inverse:  # the other side over ours
+            ours, theirs = theirs, ours
         return {b: round(ours[b]["best"] / theirs[b]["best"], 3) for b in theirs}
 
     best = {m: {b: f["best"] for b, f in tokens_per_s["tlt_jax"][m].items()} for m in FLAGS.modes}
@@ -189,6 +215,12 @@ def main(argv):
     }
     if FLAGS.sync_side:  # what overlapping the host with the device step pays
         out["overlap_speedup"] = {m: ratio(m, "tlt_jax_sync") for m in FLAGS.modes}
+    if others:  # the same weights in another dtype: speed and how closely it follows float32
+        out["dtype_speedup"] = {d: {m: ratio(m, f"tlt_jax_{d}", inverse=True) for m in FLAGS.modes}
+                                for d in others}  # fmt: skip
+        continuation = greedy_continuation(model, prompt, FLAGS.new_tokens)
+        out["dtype_parity"] = {d: bench.logit_parity(model, m, continuation)
+                               for d, m in others.items()}  # fmt: skip
     if hf is not None:
         if "greedy" in FLAGS.modes:
             out["ratio_vs_transformers"] = ratio("greedy")
@@ -199,6 +231,15 @@ def main(argv):
     if FLAGS.output_json:
         with open(FLAGS.output_json, "w") as f:
             json.dump(out, f, indent=2)
+
+
+def greedy_continuation(model, prompt, new_tokens):
+    """`prompt` and the float32 engine's greedy continuation of it (the parity sequence)."""
+    from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+
+    engine = RolloutEngine(model, EngineConfig(max_batch_size=1, max_seq_len=512))
+    out = engine.generate([Request(prompt, new_tokens)], progress=False)[0]
+    return list(prompt) + list(out.token_ids)
 
 
 def nnx_state(model):

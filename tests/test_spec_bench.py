@@ -151,3 +151,22 @@ def test_generate_config_draft_source():
         GenerateConfig(draft="hybrid")
     with pytest.raises(ValueError, match="draft='medusa' is not one of"):
         GenerateConfig(draft="medusa")
+
+
+def test_logit_parity_of_a_model_with_itself_and_in_bfloat16():
+    import dataclasses
+
+    from tlt_jax.models.presets import get_preset
+    from tlt_jax.models.transformer import init_model
+
+    config = get_preset("tiny")
+    model = init_model(config, seed=3)
+    tokens = list(np.random.default_rng(0).integers(0, config.vocab_size, 24))
+    same = bench.logit_parity(model, model, tokens)
+    assert same["argmax_agreement"] == 1.0 and same["max_logit_error"] == 0.0
+    assert same["positions"] == 24 and same["max_abs_logit"] > 0
+    half = init_model(dataclasses.replace(config, dtype="bfloat16", param_dtype="bfloat16"), 3)
+    rounded = bench.logit_parity(model, half, tokens)
+    # Same initial weights, rounded to 8 mantissa bits: close, not equal.
+    assert 0 < rounded["max_logit_error"] < 0.1 * rounded["max_abs_logit"]
+    assert rounded["argmax_agreement"] >= 0.5

@@ -97,6 +97,39 @@ def decode_step_ms(model, kv_len: int, steps: int = 20) -> float:
     return median_step_ms(engine.stats.timeline)
 
 
+def logit_parity(reference, other, tokens) -> dict[str, float]:
+    """How `other` (e.g. the same weights in bfloat16) follows `reference` on one sequence.
+
+    Both models score `tokens` (teacher forcing, one full forward each); returns the share of
+    positions whose argmax agrees, the largest absolute logit error, and the reference's
+    largest absolute logit (the error's scale).
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    ids = jnp.asarray(tokens, jnp.int32)[None]
+    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+
+    def score(model):
+        graphdef, state = nnx.split(model)
+
+        def forward(state, ids, positions):
+            model = nnx.merge(graphdef, state)
+            features, _ = model(ids, positions)
+            return model.logits(features)[0]
+
+        return np.asarray(jax.jit(forward)(state, ids, positions), np.float32)
+
+    want, got = score(reference), score(other)
+    return {
+        "argmax_agreement": float(np.mean(want.argmax(-1) == got.argmax(-1))),
+        "max_logit_error": float(np.max(np.abs(want - got))),
+        "max_abs_logit": float(np.max(np.abs(want))),
+        "positions": int(want.shape[0]),
+    }
+
+
 def timed_generate(engine: RolloutEngine, requests) -> dict[str, Any]:
     """One generate() call: decode-only and end-to-end figures, outputs, step and arm counts."""
     stats = engine.stats
