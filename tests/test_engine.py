@@ -253,6 +253,23 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model):
     assert any(k[0] == "resize" and k[3] == 4 for k in engines[1].pool.keys())
 
 
+def test_a_rollout_starts_from_caches_fitted_to_its_own_requests(model):
+    """The caches a long rollout leaves (256 positions) are refitted when the next rollout
+    starts: its requests (at most 78 positions) decode over the 128-position bucket, not the
+    last tail's 256 (within a rollout, a context one bucket smaller keeps the cache)."""
+    engine = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=256,
+                                               max_prefill_batch=2, min_kv_bucket=32))  # fmt: skip
+    engine.generate([Request([5, 6, 7], 200)])
+    assert engine.state.cache.length == 256
+    before = set(engine.pool.keys())
+    prompts = [[1 + i] * 70 for i in range(4)]
+    short = engine.generate([Request(p, 8) for p in prompts])
+    assert [len(c.token_ids) for c in short] == [8] * 4
+    decodes = [k for k in set(engine.pool.keys()) - before if k[0] == "decode"]
+    assert decodes and all(k[2] == 128 for k in decodes), decodes
+    assert engine.state.cache.length == 128
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_overlapping_the_host_changes_no_token(model, temperature):
     """`overlap_host`: each plain step is dispatched before the previous one's tokens are read,

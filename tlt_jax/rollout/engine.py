@@ -374,6 +374,32 @@ def resize_program(state: DecodeState, *, batch: int, kv_len: int, shardings=Non
     return state.replace(cache=cache, draft=draft)
 
 
+def fresh_program(state: DecodeState, *, config, drafter_config, batch: int, kv_len: int,
+                  shardings=None) -> DecodeState:  # fmt: skip
+    """`state` (its caches taken out: `without_caches`) with zero caches of `batch` slots x
+    `kv_len` positions: nothing is live when a rollout starts, so nothing is copied, and the
+    program depends on the new size alone."""
+    _count_trace("fresh")
+
+    def zeros(model_config, sharding):
+        cache = DecodeCache.zeros(model_config, batch, kv_len)
+        if sharding is None:
+            return cache
+        return jax.tree.map(jax.lax.with_sharding_constraint, cache, sharding)
+
+    draft = state.draft
+    if draft is not None:
+        draft = draft.replace(cache=zeros(drafter_config, None if shardings is None
+                                          else shardings.draft.cache))  # fmt: skip
+    return state.replace(cache=zeros(config, None if shardings is None else shardings.cache),
+                         draft=draft)  # fmt: skip
+
+
+def without_caches(state: DecodeState) -> DecodeState:
+    draft = None if state.draft is None else state.draft.replace(cache=None)
+    return state.replace(cache=None, draft=draft)
+
+
 def _move_slot(state: DecodeState, src, dst):
     """Copies slot `src` (its cache rows and scalars) into slot `dst`."""
     _count_trace("move_slot")
@@ -587,38 +613,47 @@ class RolloutEngine:
         step, a tree's verify tokens for SD (every step kind shares one kv bucket)."""
         return max([1] + [c.strategy.verify_tokens for c in self.step_policy.choices()])
 
-    def _fit_cache(self, slots: int, positions: int, *, shrink_slots: bool) -> None:
+    def _fit_cache(self, slots: int, positions: int, *, shrink_slots: bool,
+                   fresh: bool = False) -> None:  # fmt: skip
         """Resizes the caches to hold `slots` slots and `positions` positions, in buckets.
 
         They grow at once. The slots shrink with the batch bucket, but only when `shrink_slots`
         (no request waits to be admitted, so the batch only falls), the positions only once
         two buckets fewer do: a batch or context at a bucket's edge never resizes back and
-        forth. A resize copies the live part of the cache (rare: at bucket changes).
+        forth. A resize copies the live part of the cache (rare: at bucket changes). `fresh`
+        (no request is live: a rollout starts) fits both exactly, with zero caches: a rollout
+        that inherited the last one's long tail would otherwise decode its whole batch over
+        the tail's context, and compile programs for those sizes.
         """
         cfg = self.config
         cache = self.state.cache
         b = bucket_for(min(slots, cfg.max_batch_size), cfg.batch_buckets)
         s = bucket_for(min(positions, cfg.max_seq_len), cfg.kv_buckets)
-        if b < cache.batch and not (shrink_slots and 2 * b <= cache.batch):
-            b = cache.batch
-        if s < cache.length and 4 * s > cache.length:
-            s = cache.length
+        if not fresh:
+            if b < cache.batch and not (shrink_slots and 2 * b <= cache.batch):
+                b = cache.batch
+            if s < cache.length and 4 * s > cache.length:
+                s = cache.length
         if (b, s) == (cache.batch, cache.length):
             return
-        shardings = None
+        if fresh:  # zero caches from a program keyed by the new size alone
+            fn = functools.partial(fresh_program, config=self.model_config,
+                                   drafter_config=self.drafter_config, batch=b, kv_len=s)  # fmt: skip
+            key, args = ("fresh", b, s), (without_caches(self.state),)
+        else:  # the live part copied
+            fn = functools.partial(resize_program, batch=b, kv_len=s)
+            key, args = ("resize", cache.batch, cache.length, b, s), (self.state,)
         if self._mesh is not None:
-            new = jax.eval_shape(functools.partial(resize_program, batch=b, kv_len=s), self.state)
-            shardings = self._state_shardings(new)
-        fn = functools.partial(resize_program, batch=b, kv_len=s, shardings=shardings)
-        key = ("resize", cache.batch, cache.length, b, s)
-        self.state = self._program(key, fn, self.state)(self.state)  # new shapes: no donation
+            fn = functools.partial(fn, shardings=self._state_shardings(jax.eval_shape(fn, *args)))
+        self.state = self._program(key, fn, *args)(*args)  # new shapes: no donation
 
     def _run_prefill(self, batch: list[_Running], slots: list[int],
                      running: list[_Running]) -> tuple[np.ndarray, ...]:  # fmt: skip
         """Prefills `batch` into `slots`, each distinct prompt once (`prefill_program`)."""
         cfg = self.config
         longest = max([len(r.request.prompt_ids) for r in batch] + [r.cache_len for r in running])
-        self._fit_cache(slots[-1] + 1, longest + self._margin, shrink_slots=False)
+        self._fit_cache(slots[-1] + 1, longest + self._margin, shrink_slots=False,
+                        fresh=not running)  # fmt: skip
         rows: dict[tuple[int, ...], int] = {}
         for run in batch:
             rows.setdefault(run.request.prompt_ids, len(rows))
