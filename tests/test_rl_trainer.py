@@ -183,8 +183,12 @@ def test_trainer_steps_update_sync_and_feed_the_sink(tmp_path):
     config = tiny_config(total_steps=2, checkpoint_every=2)
     trainer = Trainer(config, tmp_path, feature_sink=sink, progress=False)
     initial = jax.tree.map(np.asarray, trainer.state.params)
+    compiled = trainer.pool.compile_count  # the trainer's and the engine's programs
     records = trainer.train()
     assert [r["step"] for r in records] == [1, 2]
+    # Each program compiled in a step is counted once (the engine shares the trainer's pool;
+    # evaluation compiles outside the steps).
+    assert 0 < sum(r["compile_count"] for r in records) <= trainer.pool.compile_count - compiled
     for record in records:
         assert record["micro_batches_trained"] == record["micro_batches_total"] >= 1
         assert math.isfinite(record["loss"]) and record["grad_norm"] > 0

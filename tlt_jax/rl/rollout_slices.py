@@ -118,9 +118,10 @@ class RolloutSlices:
             seconds = self.online.precompile(s.devices[0], embed)
             log.info("compiled the drafter step for slice %d in %.1f s", s.index, seconds)
 
-    def compiles(self) -> tuple[int, float]:
-        """Programs the engines compiled and their seconds."""
-        stats = [s.engine.stats for s in self.slices]
+    def compiles(self, *, besides: ProgramPool | None = None) -> tuple[int, float]:
+        """Programs the engines compiled and their seconds, but for those compiled into the
+        pool `besides` (the trainer's, which counts them itself)."""
+        stats = [s.engine.stats for s in self.slices if s.engine.pool is not besides]
         return sum(e.compile_count for e in stats), sum(e.compile_seconds for e in stats)
 
     # -- one rollout -----------------------------------------------------------------------

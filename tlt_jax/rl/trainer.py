@@ -419,8 +419,9 @@ class Trainer:
         return record
 
     def _compiles(self) -> tuple[int, float]:
-        """Programs compiled so far and their seconds: the trainer's and every engine's."""
-        count, seconds = self.rollouts.compiles()
+        """Programs compiled so far and their seconds: the trainer's pool (slice 0's engine
+        included) and every other engine's."""
+        count, seconds = self.rollouts.compiles(besides=self.pool)
         return self.pool.compile_count + count, self.pool.compile_seconds + seconds
 
     def _update(self, minibatches, micro_plan, batches, old_logprobs, ref_logprobs, advantages,
