@@ -1,0 +1,137 @@
+r"""The whole RL step of an earlier commit beside this checkout's, in one process, alternating.
+
+  python scripts/bench_versions.py --ref 6da61a4 --steps 4 --output_json /tmp/bench_versions.json
+
+A speed-up that a micro-benchmark shows has to reach the RL step; this measures that. The
+package (`tlt_jax`, `pallas_kernels`) at `--ref` is exported with `git archive` into a
+temporary folder under another name (`tlt_jax_<ref>`: every import rewritten), so both
+versions load in one process and share its machine load. One trainer per version on the same
+config (`--config`), the same prompts each step, the order of the two alternating step by
+step; rollouts plain by default (`--plain_rollouts`: the bandit's wall-clock choices would
+draw other samples on each side). Per step: rollout, phase and step seconds, compiles, and
+the ratios old / new (above 1: this checkout is faster). The first steps compile; later ones
+show the steady state, so run enough steps to see both.
+"""
+
+import dataclasses
+import importlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+REPO = Path(__file__).resolve().parent.parent
+_CONFIG = config_flags.DEFINE_config_file("config", str(REPO / "configs/smollm2_arith.py"),
+                                          "The run config both versions train.")  # fmt: skip
+_REF = flags.DEFINE_string("ref", None, "The earlier commit (any git revision).", required=True)
+_STEPS = flags.DEFINE_integer("steps", 4, "RL steps per side (the first ones compile).")
+_PLAIN = flags.DEFINE_bool("plain_rollouts", True, "spec.mode=off on both sides.")
+_OUTPUT = flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
+PACKAGES = ("tlt_jax", "pallas_kernels")
+KEYS = ("time_rollout", "time_logprob", "time_update", "step_time", "compile_count", "compile_s")
+
+
+def resolve(ref: str) -> str:
+    """The short commit id of `ref` in this repository (a usage error when it names none)."""
+    found = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", f"{ref}^{{commit}}"],
+                           capture_output=True, text=True)  # fmt: skip
+    if found.returncode:
+        raise app.UsageError(f"--ref={ref!r} is not a commit of {REPO}: {found.stderr.strip()}")
+    return found.stdout.strip()
+
+
+def export(commit: str, root: Path) -> str:
+    """Exports the packages at `commit` under `root` as `<package>_<commit>`; returns the
+    suffix."""
+    suffix = f"_{commit}"
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, *PACKAGES],
+                             check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    pattern = re.compile(r"\b(" + "|".join(PACKAGES) + r")\b")
+    for package in PACKAGES:
+        (root / package).rename(root / f"{package}{suffix}")
+        for path in (root / f"{package}{suffix}").rglob("*.py"):
+            path.write_text(pattern.sub(lambda m: m.group(1) + suffix, path.read_text()))
+    return suffix
+
+
+def load_trainer_classes(suffix: str):
+    """The (TrainConfig, Trainer) classes of an exported version."""
+    import tensorflow_datasets as tfds
+
+    # The data builders are registered by name once per process (this checkout's came first).
+    with tfds.core.registered.skip_registration():
+        config = importlib.import_module(f"tlt_jax{suffix}.rl.config")
+        trainer = importlib.import_module(f"tlt_jax{suffix}.rl.trainer")
+    return config.TrainConfig, trainer.Trainer
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _STEPS.value < 1:
+        raise app.UsageError(f"--steps={_STEPS.value} must be >= 1")
+    commit = resolve(_REF.value)  # before anything loads or compiles
+    from tlt_jax.rl.config import TrainConfig
+    from tlt_jax.rl.trainer import Trainer
+
+    command = " ".join(["python"] + sys.argv)
+    print(command, flush=True)
+    config_dict = _CONFIG.value.to_dict()
+    records: dict[str, list[dict]] = {"old": [], "new": []}
+    with tempfile.TemporaryDirectory(prefix="bench_versions_") as root:
+        suffix = export(commit, Path(root))
+        sys.path.insert(0, root)
+        classes = {"old": load_trainer_classes(suffix), "new": (TrainConfig, Trainer)}
+        trainers = {}
+        try:
+            for name, (config_cls, trainer_cls) in classes.items():
+                cfg = config_cls.from_config_dict(config_dict)
+                if _PLAIN.value:
+                    cfg = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, mode="off"))
+                start = time.perf_counter()
+                trainers[name] = trainer_cls(cfg, f"{root}/run_{name}", progress=False)
+                trainers[name].precompile()
+                print(f"{name}: set up in {time.perf_counter() - start:.1f} s", flush=True)
+            for step in range(_STEPS.value):
+                examples = next(trainers["old"].iterator)
+                next(trainers["new"].iterator)
+                for name in ("old", "new") if step % 2 == 0 else ("new", "old"):
+                    record = trainers[name].run_step(examples)
+                    row = {k: float(record[k]) for k in KEYS}
+                    row["generated_tokens"] = int(sum(record["response_lengths"]))
+                    records[name].append(row)
+                    print(f"step {step + 1} {name}: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in row.items()), flush=True)  # fmt: skip
+        finally:
+            for trainer in trainers.values():
+                trainer.close()
+    old, new = records["old"], records["new"]
+    out = {
+        "command": command,
+        "ref": _REF.value,
+        "commit": commit,
+        "plain_rollouts": _PLAIN.value,
+        "records": records,
+        "rollout_old_over_new": [
+            o["time_rollout"] / n["time_rollout"] for o, n in zip(old, new, strict=True)
+        ],
+        "step_old_over_new": [
+            o["step_time"] / n["step_time"] for o, n in zip(old, new, strict=True)
+        ],
+        "total_s": {name: sum(r["step_time"] for r in recs) for name, recs in records.items()},
+    }
+    print(json.dumps(out, indent=2))
+    print(f"command: {command}")
+    if _OUTPUT.value:
+        Path(_OUTPUT.value).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

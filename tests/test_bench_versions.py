@@ -1,0 +1,36 @@
+"""scripts/bench_versions.py: an earlier commit's RL step beside this checkout's, one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "scripts/bench_versions.py", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_head_beside_the_checkout_runs_the_same_steps(tmp_path):
+    out = tmp_path / "versions.json"
+    done = _run("--config=configs/tiny.py", "--ref=HEAD", "--steps=2", f"--output_json={out}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    old, new = result["records"]["old"], result["records"]["new"]
+    assert len(old) == len(new) == 2
+    # Plain rollouts of the same prompts by (nearly) the same code: the same number of tokens.
+    assert [r["generated_tokens"] for r in old] == [r["generated_tokens"] for r in new]
+    assert all(r["step_time"] > 0 for r in old + new)
+    assert old[0]["compile_count"] > 0  # the first step compiles on each side
+    assert len(result["step_old_over_new"]) == 2 and all(x > 0 for x in result["step_old_over_new"])
+    assert result["command"].startswith("python scripts/bench_versions.py")
+
+
+def test_a_ref_that_names_no_commit_is_refused_before_loading():
+    done = _run("--config=configs/tiny.py", "--ref=no-such-ref")
+    assert done.returncode != 0
+    assert "--ref='no-such-ref' is not a commit" in done.stderr
