@@ -20,10 +20,10 @@ batch 32 most of a decode step was copies. Here:
   (`cached_forward(write=True)`): the scatter then works in place, where a write after the
   reads makes XLA copy every cache array first.
 
-Decode step of SmolLM2-135M against the scanned form, side by side in one process (random
-weights, 248 of 256 positions): 1.19x / 1.59x / 1.82x / 2.07x faster at batch 1 / 8 / 32 / 64
-(BENCHMARKS.md). Attention reads the cache positions below each row's start and the new
-tokens separately, in both modes, so written and read-only forwards compute the same numbers.
+Decode step of SmolLM2-135M against the scanned form, side by side in one process (248 of 256
+positions): 1.29x / 1.49x / 1.76x / 1.70x faster at batch 1 / 8 / 32 / 64 (BENCHMARKS.md).
+Attention reads the cache positions below each row's start and the new tokens separately, in
+both modes, so written and read-only forwards compute the same numbers.
 """
 
 from __future__ import annotations
@@ -87,6 +87,13 @@ class DecodeCache:
 
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         return self.k[i], self.v[i]
+
+    def check_size(self, batch: int, length: int) -> None:
+        """Refuses a cache that is not exactly `batch` slots x `length` positions (a program
+        compiled for one size run on a state fitted to another)."""
+        if (self.batch, self.length) != (batch, length):
+            raise ValueError(f"the cache holds {self.batch} slots x {self.length} positions; "
+                             f"this program runs {batch} x {length}")  # fmt: skip
 
     def token_major(self) -> NewKV:
         """The whole cache as [L, B, S, K, H] keys and values (for checks and exports)."""
@@ -297,7 +304,7 @@ def cached_layers(layers: LayerParams, x_BxTxD: jax.Array, sin_cos, mask_BxTxT: 
                   config: ModelConfig, cache: DecodeCache, starts_B: jax.Array, *,
                   write: bool, attention_impl: str = "xla",
                   input_norm: bool = True) -> tuple[jax.Array, NewKV, DecodeCache]:  # fmt: skip
-    """Runs `layers` unrolled over T new tokens per row against `cache`.
+    """Runs `layers` (`flat_layer` form) unrolled over T new tokens per row against `cache`.
 
     Every query attends to cache positions `< starts_B[b]` and to the new tokens `mask_BxTxT`
     allows. With `write`, each layer first writes its new keys/values at positions
@@ -314,7 +321,6 @@ def cached_layers(layers: LayerParams, x_BxTxD: jax.Array, sin_cos, mask_BxTxT: 
     positions_BxT = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     ks, vs = [], []
     for i, params in enumerate(layers):
-        params = flat_layer(params)
         q, k, v = _inputs(params, x_BxTxD, sin_cos, config, input_norm)
         if write:
             cache = cache.write_layer(i, slots_Bx1, positions_BxT, k, v)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.decode import DecodeCache, cached_layers
+from tlt_jax.models.decode import DecodeCache, cached_layers, flat_layer
 from tlt_jax.models.transformer import (
     ATTENTION_IMPLS,
     DecoderLayers,
@@ -136,9 +136,9 @@ def drafter_decode(
     mask = causal_mask(b, t) if mask_BxTxT is None else mask_BxTxT
     h_BxTxD = _fused_input(params, config, embed_VxD, tokens_BxT, features_BxTxD)
     sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
-    return cached_layers((_layer(params),), h_BxTxD, sin_cos, mask, config, cache, starts_B,
-                         write=write, attention_impl=attention_impl,
-                         input_norm=False)  # fmt: skip
+    layers = (flat_layer(_layer(params)),)
+    return cached_layers(layers, h_BxTxD, sin_cos, mask, config, cache, starts_B, write=write,
+                         attention_impl=attention_impl, input_norm=False)  # fmt: skip
 
 
 def _fused_input(params, config: ModelConfig, embed_VxD, tokens_BxT, features_BxTxD):

@@ -139,6 +139,12 @@ def _structs(tree, mesh, names_of) -> Any:
             "rollout")))), tree)  # fmt: skip
 
 
+def _placed(tree, shardings) -> Any:
+    """`ShapeDtypeStruct`s of `tree` with the matching `shardings`."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                        shardings)  # fmt: skip
+
+
 def _rows_first(x) -> tuple[str | None, ...]:
     return ("batch",) + ("length",) * (len(x.shape) - 1)
 
@@ -188,18 +194,12 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
                 model, geo.rollout_batch, geo.max_seq_len, drafter_config, cache_batch=cache_batch
             )
         )
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-            engine_lib.decode_state_shardings(state, mesh, rollout_rules),
-        )  # fmt: skip
+        return _placed(state, engine_lib.decode_state_shardings(state, mesh, rollout_rules))
 
     state, sd_state = decode_state(geo.rollout_batch), decode_state(geo.sd_batch)
     # The engine's per-layer copy of the layer weights (what decode steps read).
     stacked = nnx.merge(graphdef, rollout_params).layers.stacked()
-    layers = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        jax.eval_shape(unstack_layers, stacked), layer_shardings(stacked),
-    )  # fmt: skip
+    layers = _placed(jax.eval_shape(unstack_layers, stacked), layer_shardings(stacked))
     accum = step_lib.abstract_accumulator(plan.abstract_state.params)
     sizes = {
         "train_params": sharding_lib.per_device_bytes(plan.abstract_state.params),

@@ -327,7 +327,8 @@ def decode_program(graphdef, params, layers, state: DecodeState, drafter_params=
     appends the step's pair (new token, feature of the fed token), staying in sync.
     """
     _count_trace("decode")
-    _check_cache(state, batch, kv_len)
+    for cache in [state.cache] + ([] if state.draft is None else [state.draft.cache]):
+        cache.check_size(batch, kv_len)
     model = nnx.merge(graphdef, params)
     lengths = state.lengths[:batch]
     tokens_in = state.last_token[:batch, None]
@@ -352,14 +353,6 @@ def decode_program(graphdef, params, layers, state: DecodeState, drafter_params=
         draft=draft,
     )
     return state, tokens, logprobs
-
-
-def _check_cache(state: DecodeState, batch: int, kv_len: int) -> None:
-    caches = [state.cache] + ([] if state.draft is None else [state.draft.cache])
-    for cache in caches:
-        if (cache.batch, cache.length) != (batch, kv_len):
-            raise ValueError(f"the decode state's cache holds {cache.batch} slots x {cache.length} "
-                             f"positions; this program runs {batch} x {kv_len}")  # fmt: skip
 
 
 def resize_program(state: DecodeState, *, batch: int, kv_len: int, shardings=None) -> DecodeState:
@@ -430,7 +423,6 @@ class _Pending:
     tokens: jax.Array
     logprobs: jax.Array
     eager: bool  # it also extended the drafters
-    choice: StepChoice | None  # what the step policy chose (None: plain)
     dispatched: float
     compiled: bool  # it compiled a program (no bandit reward)
 
@@ -637,8 +629,8 @@ class RolloutEngine:
         if (b, s) == (cache.batch, cache.length):
             return
         if fresh:  # zero caches from a program keyed by the new size alone
-            fn = functools.partial(fresh_program, config=self.model_config,
-                                   drafter_config=self.drafter_config, batch=b, kv_len=s)  # fmt: skip
+            fn = functools.partial(fresh_program, config=self.model_config, batch=b, kv_len=s,
+                                   drafter_config=self.drafter_config)  # fmt: skip
             key, args = ("fresh", b, s), (without_caches(self.state),)
         else:  # the live part copied
             fn = functools.partial(resize_program, batch=b, kv_len=s)
@@ -691,7 +683,7 @@ class RolloutEngine:
                 run.draft_len = len(run.request.prompt_ids)
         return np.asarray(next_tokens), np.asarray(logprobs)
 
-    def _dispatch_decode(self, running: list[_Running], choice) -> _Pending:
+    def _dispatch_decode(self, running: list[_Running]) -> _Pending:
         """Dispatches one plain decode step for `running` (read later by `_read_decode`)."""
         cfg = self.config
         b, s = self.state.cache.batch, self.state.cache.length  # fitted by generate()
@@ -709,7 +701,7 @@ class RolloutEngine:
         program = self._program(("decode", b, s, greedy, eager), fn, *args, donate=(2,))
         self.state, tokens, logprobs = program(*args)
         self.stats.decode_steps += 1
-        return _Pending(list(running), tokens, logprobs, eager, choice, dispatched,
+        return _Pending(list(running), tokens, logprobs, eager, dispatched,
                         self.stats.compile_count != compiled)  # fmt: skip
 
     def _read_decode(self, step: _Pending) -> int:
@@ -779,16 +771,20 @@ class RolloutEngine:
         pending: _Pending | None = None  # a plain step dispatched, not yet read
         last_read = start
 
-        def read(step: _Pending) -> None:
+        def settle(choice, n: int, emitted: int, began: float, compiled: bool) -> None:
+            """A step's tokens are emitted: reward the policy, log it, retire what finished."""
             nonlocal running, last_read
-            emitted = self._read_decode(step)
             now = time.perf_counter()
-            if not step.compiled:  # a step that compiled is no reward
-                policy.record(step.choice, len(step.running), emitted,
-                              now - max(step.dispatched, last_read))  # fmt: skip
+            if not compiled:  # a step that compiled is no reward
+                policy.record(choice, n, emitted, now - began)
             last_read = now
-            self.stats.timeline.append((now - start, len(step.running), arm_name(step.choice)))
+            self.stats.timeline.append((now - start, n, arm_name(choice)))
             running = self._retire(running, done, now, bar)
+
+        def read(step: _Pending) -> None:
+            # Its time starts when it was dispatched or when the step before it was read.
+            began = max(step.dispatched, last_read)
+            settle(None, len(step.running), self._read_decode(step), began, step.compiled)
 
         while queue or running:
             # Admit queued requests into free slots, one prefill per group (no step is in
@@ -834,7 +830,7 @@ class RolloutEngine:
             max_len = max(r.cache_len for r in running) + (pending is not None)
             self._fit_cache(len(running), max_len + self._margin, shrink_slots=not queue)
             if choice is None:
-                step = self._dispatch_decode(running, choice)
+                step = self._dispatch_decode(running)
                 if pending is not None:
                     read(pending)  # while `step` runs
                 pending = step
@@ -845,12 +841,7 @@ class RolloutEngine:
             compiled = self.stats.compile_count
             dispatched = time.perf_counter()
             emitted = self._spec_step(running, choice)
-            now = time.perf_counter()
-            if self.stats.compile_count == compiled:  # a step that compiled is no reward
-                policy.record(choice, len(running), emitted, now - dispatched)
-            last_read = now
-            self.stats.timeline.append((now - start, len(running), arm_name(choice)))
-            running = self._retire(running, done, now, bar)
+            settle(choice, len(running), emitted, dispatched, self.stats.compile_count != compiled)
         if bar is not None:
             bar.close()
         return done  # type: ignore[return-value]

@@ -206,7 +206,7 @@ def draft_program(graphdef, drafter_config: ModelConfig, params, drafter_params,
     `hot_token_ids` ([U] int32) only when given (an argument, so new ids never recompile)."""
     model = nnx.merge(graphdef, params)
     draft = state.draft
-    _check_size(draft.cache, batch, kv_len)
+    draft.cache.check_size(batch, kv_len)
     return draft_candidates(
         drafter_params, drafter_config, model.embed.get_value(), model.head_weight_DxV(),
         draft.cache, draft.lengths[:batch], draft.feature[:batch],
@@ -236,7 +236,7 @@ def verify_program(graphdef, drafter_config: ModelConfig, params, layers, drafte
       commit.
     """
     model = nnx.merge(graphdef, params)
-    _check_size(state.cache, batch, kv_len)
+    state.cache.check_size(batch, kv_len)
     lengths = state.lengths[:batch]
     features_BxTxD, new, _ = cached_forward(
         model, layers, tree.tokens_BxT, tree.positions_BxT, state.cache, lengths,
@@ -286,7 +286,7 @@ def catchup_program(graphdef, drafter_config: ModelConfig, params, layers, draft
     appends their pairs. Rows with count 0 are left alone.
     """
     model = nnx.merge(graphdef, params)
-    _check_size(state.cache, batch, kv_len)
+    state.cache.check_size(batch, kv_len)
     starts = state.draft.lengths[:batch]
     t = tokens_BxT.shape[1]
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -297,9 +297,3 @@ def catchup_program(graphdef, drafter_config: ModelConfig, params, layers, draft
         features_BxTxD, starts, counts_B, batch=batch, attention_impl=attention_impl,
     )  # fmt: skip
     return state.replace(draft=draft)
-
-
-def _check_size(cache: DecodeCache, batch: int, kv_len: int) -> None:
-    if (cache.batch, cache.length) != (batch, kv_len):
-        raise ValueError(f"the cache holds {cache.batch} slots x {cache.length} positions; this "
-                         f"program runs {batch} x {kv_len}")  # fmt: skip
