@@ -11,6 +11,10 @@ median and worst tokens/s over `--repeats` runs, the ratio uses the best of each
 
 With `--sync_side`, the engine also runs with `overlap_host=False` (each step's tokens read
 before the next step is dispatched) beside the default, and `overlap_speedup` is their ratio.
+The engine runs every step as one program (`layers_per_program=0`: the steady state of the
+engine's program tiers, what a long RL run decodes with). With `--layered_side`, an engine
+that runs every step as one program per layer (the first tier, where a bucket starts on CPU)
+runs beside it: `layered_speedup` per mode and batch; `compile_seconds` of every engine side.
 With `--dtypes=bfloat16`, an engine on the same weights in that dtype (parameters and
 compute) runs beside the float32 one: `dtype_speedup` per mode and batch, and `dtype_parity`
 (argmax agreement and largest logit error against the float32 model, teacher-forced on the
@@ -44,6 +48,13 @@ flags.DEFINE_bool(
     False,
     "Also measure the engine with overlap_host=False (each "
     "step's tokens read before the next is dispatched): `overlap_speedup`.",
+)
+flags.DEFINE_bool(
+    "layered_side",
+    False,
+    "Also measure the engine with its steps as one program per layer, never promoted "
+    "(layers_per_program=1, one_program_after=0: a bucket's first steps on CPU) beside the "
+    "steady state (each step one program): `layered_speedup` and the compile seconds of both.",
 )
 flags.DEFINE_list(
     "dtypes",
@@ -139,14 +150,22 @@ def main(argv):
     others = {d: checkpoints.load_model(FLAGS.model, dtype=d, param_dtype=d) for d in FLAGS.dtypes}
     temperatures = {"greedy": 0.0, "sampled": FLAGS.temperature}
     names = (("tlt_jax", "transformers") + (("tlt_jax_sync",) if FLAGS.sync_side else ())
+             + (("tlt_jax_layered",) if FLAGS.layered_side else ())
              + tuple(f"tlt_jax_{d}" for d in others))  # fmt: skip
+    compile_seconds = {side: {} for side in names if side != "transformers"}
     runs = {side: {m: {} for m in FLAGS.modes} for side in names}
     for batch in batches:
         config = EngineConfig(max_batch_size=batch, max_seq_len=512,
-                              max_prefill_batch=min(batch, 8))  # fmt: skip
+                              max_prefill_batch=min(batch, 8), layers_per_program=0)  # fmt: skip
         engine = RolloutEngine(model, config)
         sync = RolloutEngine(model, dataclasses.replace(config, overlap_host=False))
         typed = {d: RolloutEngine(m, config) for d, m in others.items()}
+        engines = {"tlt_jax": engine, "tlt_jax_sync": sync,
+                   **{f"tlt_jax_{d}": e for d, e in typed.items()}}  # fmt: skip
+        if FLAGS.layered_side:
+            engines["tlt_jax_layered"] = RolloutEngine(
+                model, dataclasses.replace(config, layers_per_program=1, one_program_after=0)
+            )
         for mode in FLAGS.modes:
             t = temperatures[mode]
             sides = {"tlt_jax": engine_run(engine, prompt, batch, FLAGS.new_tokens, t)}
@@ -155,10 +174,18 @@ def main(argv):
             for d, typed_engine in typed.items():
                 sides[f"tlt_jax_{d}"] = engine_run(typed_engine, prompt, batch,
                                                    FLAGS.new_tokens, t)  # fmt: skip
+            if FLAGS.layered_side:
+                sides["tlt_jax_layered"] = engine_run(engines["tlt_jax_layered"], prompt, batch,
+                                                      FLAGS.new_tokens, t)  # fmt: skip
             if hf is not None:
                 sides["transformers"] = transformers_run(hf, prompt, batch, FLAGS.new_tokens, t)
             for run in sides.values():  # the engine compiles this batch's programs
                 run()
+            for side in sides:
+                if side in compile_seconds:  # every program this batch and mode compiled
+                    compile_seconds[side][f"{mode}/{batch}"] = round(
+                        engines[side].stats.compile_seconds, 2)  # fmt: skip
+                    engines[side].stats.compile_seconds = 0.0
             for repeat in range(FLAGS.repeats):
                 order = list(sides) if repeat % 2 == 0 else list(sides)[::-1]
                 for side in order:
@@ -213,6 +240,10 @@ def main(argv):
         "verify4_over_plain_bs1": verify[4] / verify[1],
         "verify8_over_plain_bs1": verify[8] / verify[1],
     }
+    out["compile_seconds"] = compile_seconds
+    if FLAGS.layered_side:  # one program per layer over one program per step
+        out["layered_speedup"] = {m: ratio(m, "tlt_jax_layered", inverse=True)
+                                  for m in FLAGS.modes}  # fmt: skip
     if FLAGS.sync_side:  # what overlapping the host with the device step pays
         out["overlap_speedup"] = {m: ratio(m, "tlt_jax_sync") for m in FLAGS.modes}
     if others:  # the same weights in another dtype: speed and how closely it follows float32

@@ -95,10 +95,9 @@ def test_no_retrace_in_steady_state(engine):
 def test_decode_cost_follows_context(model):
     eng = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=1024, min_kv_bucket=32))
     eng.generate([Request([1, 2, 3], 10), Request([4, 5], 3)])
-    decode_keys = [k for k in eng.pool.keys() if k[0] == "decode"]
     # Short contexts only ever use the smallest kv bucket, never the 1024 maximum.
-    assert {k[2] for k in decode_keys} == {32}
-    assert {k[1] for k in decode_keys} <= {1, 2}
+    assert {s for _, s in eng.decode_sizes()} == {32}
+    assert {b for b, _ in eng.decode_sizes()} <= {1, 2}
 
 
 def test_sampling_is_per_request_deterministic(model):
@@ -261,12 +260,12 @@ def test_a_rollout_starts_from_caches_fitted_to_its_own_requests(model):
                                                max_prefill_batch=2, min_kv_bucket=32))  # fmt: skip
     engine.generate([Request([5, 6, 7], 200)])
     assert engine.state.cache.length == 256
-    before = set(engine.pool.keys())
+    before = engine.decode_sizes()
     prompts = [[1 + i] * 70 for i in range(4)]
     short = engine.generate([Request(p, 8) for p in prompts])
     assert [len(c.token_ids) for c in short] == [8] * 4
-    decodes = [k for k in set(engine.pool.keys()) - before if k[0] == "decode"]
-    assert decodes and all(k[2] == 128 for k in decodes), decodes
+    decodes = engine.decode_sizes() - before
+    assert decodes and all(s == 128 for _, s in decodes), decodes
     assert engine.state.cache.length == 128
 
 
@@ -297,3 +296,31 @@ def test_overlapping_the_host_changes_no_token(model, temperature):
     extra = engines[1].stats.decode_steps - engines[0].stats.decode_steps
     assert 0 <= extra <= sum(c.finish_reason == "stop" for c in sync)
     assert engines[1].stats.generated_tokens == engines[0].stats.generated_tokens
+
+
+def test_a_bucket_runs_layered_then_as_one_program(model):
+    """The two program tiers: a bucket's first `one_program_after` decode steps run as
+    per-layer programs, then the bucket is compiled as one program; `one_program_steps`
+    skips the first tier (calibration times the steady state). Tokens are the same."""
+    config = EngineConfig(max_batch_size=2, max_seq_len=128, min_kv_bucket=128,
+                          layers_per_program=1, one_program_after=3)  # fmt: skip
+    tiered = RolloutEngine(model, config)
+    (out,) = tiered.generate([Request([5, 6, 7], 10)])
+    kinds = {key[0] for key in tiered.pool.keys()}
+    assert {"layers", "decode_inputs", "decode_outputs", "decode"} <= kinds
+    layered = [k for k in tiered.pool.keys() if k[0] == "layers"]
+    assert {k[1] for k in layered} == {1}  # one block program serves both layers
+    assert tiered.decode_sizes() == {(1, 128)}
+    steady = RolloutEngine(model, config)
+    with steady.one_program_steps():
+        (same,) = steady.generate([Request([5, 6, 7], 10)])
+    assert not {key[0] for key in steady.pool.keys()} & {"layers", "decode_outputs"}
+    assert same.token_ids == out.token_ids == reference_greedy(model, [5, 6, 7], 10)
+
+
+def test_rollout_config_checks_layers_per_program():
+    from tlt_jax.rl.config import RolloutConfig
+
+    with pytest.raises(ValueError, match=r"rollout.layers_per_program=-2"):
+        RolloutConfig(layers_per_program=-2)
+    assert RolloutConfig(layers_per_program=0).layers_per_program == 0

@@ -581,6 +581,51 @@ def test_overlapped_engine_runs_every_sd_step_it_chose(engines, aligned):
         assert over.step_policy.sd_choices == [1] * (over.stats.spec_steps - before)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_program_and_layered_steps_agree(aligned, temperature):
+    """Each step as one program (`layers_per_program=0`, the accelerator default), as one
+    program per layer plus inputs and outputs programs (never promoted), and layered first
+    then promoted to one program after 2 steps of a bucket (the CPU default's tiers, sooner):
+    the same tokens, logprobs and accepted lengths, through plain steps, the drafter's
+    catch-up, SD verify and commit, a queued request and slot moves."""
+    model, drafter = aligned
+    prompts = random_prompts(3, model.config.vocab_size, seed=5)
+    requests = [Request(p, n, SamplingParams(temperature=temperature), seed=i)
+                for i, (p, n) in enumerate(zip(prompts, (6, 30, 12), strict=True))]  # fmt: skip
+    outs, engines = [], []
+    for block, after in ((0, 0), (1, 0), (1, 2)):
+        config = EngineConfig(max_batch_size=2, max_prefill_batch=2, max_seq_len=KV_LEN,
+                              min_kv_bucket=KV_LEN, spec_strategy=SpecStrategy(3, 2, 6),
+                              spec_max_batch=1, drafter_sync="lazy", layers_per_program=block,
+                              one_program_after=after)  # fmt: skip
+        engines.append(RolloutEngine(model, config, drafter=drafter))
+        outs.append(engines[-1].generate(requests))
+    for one, layered, tiered in zip(*outs, strict=True):
+        for other in (layered, tiered):
+            assert other.token_ids == one.token_ids
+            assert other.accepted_lengths == one.accepted_lengths
+            np.testing.assert_allclose(other.logprobs, one.logprobs, atol=1e-5)
+    kinds = [{key[0] for key in e.pool.keys()} for e in engines]
+    one_program = {"decode", "spec_verify", "spec_commit", "drafter_catchup"}
+    layered = {"layers", "decode_outputs", "verify_outputs", "commit_block", "catchup_outputs"}
+    assert one_program <= kinds[0] and not kinds[0] & layered
+    assert layered <= kinds[1] and not kinds[1] & one_program
+    # Tiered: every step kind ran layered first, then decode and verify as one program.
+    assert layered | {"decode", "spec_verify", "spec_commit"} <= kinds[2]
+    for e in engines:
+        assert e.stats.spec_steps > 0 and e.stats.spec_switch_count > 0
+    assert engines[0].decode_sizes() == engines[1].decode_sizes() == engines[2].decode_sizes()
+
+
+def test_layers_per_program_is_checked():
+    with pytest.raises(ValueError, match=r"layers_per_program=-1"):
+        EngineConfig(layers_per_program=-1)
+    with pytest.raises(ValueError, match=r"layers_per_program='2'"):
+        EngineConfig(layers_per_program="2")
+    with pytest.raises(ValueError, match=r"one_program_after=-1"):
+        EngineConfig(one_program_after=-1)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 SAMPLE_ROWS = 4096

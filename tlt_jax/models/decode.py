@@ -28,6 +28,8 @@ both modes, so written and read-only forwards compute the same numbers.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -88,6 +90,15 @@ class DecodeCache:
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
         return self.k[i], self.v[i]
 
+    def block(self, start: int, stop: int) -> DecodeCache:
+        """Layers [start, stop) as a cache of their own (no copy: the same arrays)."""
+        return DecodeCache(k=self.k[start:stop], v=self.v[start:stop])
+
+    @classmethod
+    def joined(cls, blocks: list[DecodeCache]) -> DecodeCache:
+        """The caches of consecutive layer blocks as one cache."""
+        return cls(k=sum((c.k for c in blocks), ()), v=sum((c.v for c in blocks), ()))
+
     def check_size(self, batch: int, length: int) -> None:
         """Refuses a cache that is not exactly `batch` slots x `length` positions (a program
         compiled for one size run on a state fitted to another)."""
@@ -137,7 +148,8 @@ class DecodeCache:
             # does on a copy of the array (the whole cache, at batch 1); the same write twice
             # stays a scatter, done in place.
             slots_Bx1, positions_BxA, k_BxAxKxH, v_BxAxKxH = (
-                jnp.concatenate([x, x]) for x in (slots_Bx1, positions_BxA, k_BxAxKxH, v_BxAxKxH))
+                jnp.concatenate([x, x]) for x in (slots_Bx1, positions_BxA, k_BxAxKxH, v_BxAxKxH)
+            )
         k = self.k[i].at[slots_Bx1, :, :, positions_BxA].set(k_BxAxKxH.astype(self.k[i].dtype),
                                                              mode="drop")  # fmt: skip
         v = self.v[i].at[slots_Bx1, :, positions_BxA].set(v_BxAxKxH.astype(self.v[i].dtype),
@@ -336,6 +348,78 @@ def cached_layers(layers: LayerParams, x_BxTxD: jax.Array, sin_cos, mask_BxTxT: 
     return x_BxTxD, NewKV(k=jnp.stack(ks), v=jnp.stack(vs)), cache
 
 
+def final_features(model: Transformer, x_BxTxD: jax.Array) -> jax.Array:
+    """The last layer's output through the policy's final norm (what the head reads)."""
+    return rms_norm(x_BxTxD, model.final_norm.get_value(), model.config.rms_norm_eps)
+
+
+def block_program(layers: LayerParams, cache: DecodeCache, x_BxTxD: jax.Array,
+                  positions_BxT: jax.Array, mask_BxTxT: jax.Array, starts_B: jax.Array, *,
+                  config: ModelConfig, write: bool, attention_impl: str = "xla"):  # fmt: skip
+    """`cached_layers` over a block of layers as a program of its own (`LayeredForward`).
+
+    Returns (x, NewKV of the block's layers, the block's cache) with `write` (the cache is
+    donated and written in place), (x, NewKV) without.
+    """
+    cache.check_size(x_BxTxD.shape[0], cache.length)
+    sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
+    x, new, cache = cached_layers(layers, x_BxTxD, sin_cos, mask_BxTxT, config, cache, starts_B,
+                                  write=write, attention_impl=attention_impl)  # fmt: skip
+    return (x, new, cache) if write else (x, new)
+
+
+ForwardInputs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # x, positions, mask, starts
+
+
+class LayeredForward:
+    """Runs the policy's layers against a `DecodeCache` as compiled programs of `block` layers
+    each, dispatched one after another from the host (`EngineConfig.layers_per_program`).
+
+    Why: an unrolled step compiles every layer anew, and on XLA:CPU that is most of a rollout's
+    first step (SmolLM2, 30 layers: 2-4 s a decode program, one per batch and kv bucket, and
+    as much again for each verify and commit program). A block program is compiled once per
+    (block size, batch, new tokens, kv) and reused by every block; the step's other parts
+    (embedding, head, sampling, acceptance) are programs that depend on the batch alone. The
+    price is one dispatch per block, which an accelerator's fast steps can feel (there the
+    default is one program); on the CPU the step times match (BENCHMARKS.md).
+    """
+
+    def __init__(self, config: ModelConfig, block: int, program):
+        """
+        Args:
+          config: the policy's architecture.
+          block: layers per program.
+          program: `program(key, fn, *args, donate=())` -> compiled program (the engine's pool).
+        """
+        self.config = config
+        self.block = block
+        self._program = program
+
+    def __call__(self, layers: LayerParams, cache: DecodeCache, inputs: ForwardInputs, *,
+                 write: bool, attention_impl: str = "xla",
+                 ) -> tuple[jax.Array, list[NewKV], DecodeCache]:  # fmt: skip
+        """The layers over `inputs` (x, positions, mask, starts; `cached_layers`' meaning).
+
+        Returns the last layer's output, each block's NewKV and the cache (written with
+        `write`, in place: the blocks' caches are donated).
+        """
+        x, positions, mask, starts = inputs
+        b, t = x.shape[:2]
+        news, blocks = [], []
+        for start in range(0, len(layers), self.block):
+            stop = min(start + self.block, len(layers))
+            fn = functools.partial(block_program, config=self.config, write=write,
+                                   attention_impl=attention_impl)  # fmt: skip
+            args = (layers[start:stop], cache.block(start, stop), x, positions, mask, starts)
+            key = ("layers", stop - start, b, t, cache.length, write, attention_impl)
+            out = self._program(key, fn, *args, donate=(1,) if write else ())(*args)
+            x, new = out[:2]
+            news.append(new)
+            if write:
+                blocks.append(out[2])
+        return x, news, DecodeCache.joined(blocks) if write else cache
+
+
 def cached_forward(model: Transformer, layers: LayerParams, tokens_BxT: jax.Array,
                    positions_BxT: jax.Array, cache: DecodeCache, starts_B: jax.Array, *,
                    mask_BxTxT: jax.Array | None = None, write: bool = False,
@@ -368,4 +452,4 @@ def cached_forward(model: Transformer, layers: LayerParams, tokens_BxT: jax.Arra
     x, new, cache = cached_layers(layers, model.embed_tokens(tokens_BxT), sin_cos, mask, config,
                                   cache, starts_B, write=write,
                                   attention_impl=attention_impl)  # fmt: skip
-    return rms_norm(x, model.final_norm.get_value(), config.rms_norm_eps), new, cache
+    return final_features(model, x), new, cache

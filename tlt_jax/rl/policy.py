@@ -178,6 +178,7 @@ def build_engine(config: TrainConfig, model: Transformer, *, pool: ProgramPool |
         max_prefill_batch=config.rollout.max_prefill_batch,
         min_prompt_bucket=config.rollout.min_prompt_bucket,
         spec_attention_impl=config.spec.attention_impl,
+        layers_per_program=config.rollout.layers_per_program,
     ), drafter=drafter, hot_token_ids=hot, pool=pool)  # fmt: skip
 
 

@@ -60,11 +60,13 @@ def load_questions(gsm8k_dir: str, count: int) -> tuple[list[str], str]:
 
 
 def engine_config(batch: int, kv_len: int, drafter_sync: str = "lazy") -> EngineConfig:
-    """One kv bucket for every length (the short warm-up compiles the timed runs' programs).
-    Lazy drafter sync by default: a plain baseline in an engine with a drafter is pure plain
-    decoding (`measure_switch` times eager sync)."""
+    """One kv bucket for every length (the short warm-up compiles the timed runs' programs);
+    every step one program (the steady state a long run decodes with). Lazy drafter sync by
+    default: a plain baseline in an engine with a drafter is pure plain decoding
+    (`measure_switch` times eager sync)."""
     return EngineConfig(max_batch_size=batch, max_seq_len=kv_len, max_prefill_batch=min(batch, 8),
-                        min_kv_bucket=kv_len, drafter_sync=drafter_sync)  # fmt: skip
+                        min_kv_bucket=kv_len, drafter_sync=drafter_sync,
+                        layers_per_program=0)  # fmt: skip
 
 
 def make_engine(model, drafter, batch: int, kv_len: int, *, ngram: bool,
@@ -88,7 +90,11 @@ def decode_step_ms(model, kv_len: int, steps: int = 20) -> float:
     engine = RolloutEngine(
         model,
         EngineConfig(
-            max_batch_size=1, max_seq_len=kv_len, max_prefill_batch=1, min_kv_bucket=kv_len
+            max_batch_size=1,
+            max_seq_len=kv_len,
+            max_prefill_batch=1,
+            min_kv_bucket=kv_len,
+            layers_per_program=0,
         ),
     )
     request = [Request((1, 2, 3, 4), steps + 2)]

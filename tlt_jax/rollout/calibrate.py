@@ -138,18 +138,20 @@ def calibrate(engine, *, verify_tokens: int = 4, max_batch: int | None = None,
     saved = engine.step_policy
     plain_ms, verify_ms = {}, {}
     above = 0
-    try:
-        for b in buckets:
-            requests = random_requests(vocab, b, prompt_len=prompt_len, steps=steps,
-                                       temperature=temperature, rng=rng)  # fmt: skip
-            plain_ms[b] = step_ms(engine, PlainPolicy(), requests)
-            verify_ms[b] = step_ms(engine, FixedPolicy(choice), requests)
-            # The ratio grows with the batch: two buckets past the bound end the search.
-            above = above + 1 if verify_ms[b] / plain_ms[b] >= max_cost_ratio else 0
-            if above == 2:
-                break
-    finally:
-        engine.step_policy = saved
+    # The steps a long run decodes with (one program each), not a bucket's first, layered tier.
+    with engine.one_program_steps():
+        try:
+            for b in buckets:
+                requests = random_requests(vocab, b, prompt_len=prompt_len, steps=steps,
+                                           temperature=temperature, rng=rng)  # fmt: skip
+                plain_ms[b] = step_ms(engine, PlainPolicy(), requests)
+                verify_ms[b] = step_ms(engine, FixedPolicy(choice), requests)
+                # The ratio grows with the batch: two buckets past the bound end the search.
+                above = above + 1 if verify_ms[b] / plain_ms[b] >= max_cost_ratio else 0
+                if above == 2:
+                    break
+        finally:
+            engine.step_policy = saved
     ratio = {b: verify_ms[b] / plain_ms[b] for b in plain_ms}
     threshold = max((b for b in ratio if ratio[b] < max_cost_ratio), default=0)
     import jax

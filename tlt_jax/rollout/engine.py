@@ -7,14 +7,19 @@ runs over `batch_bucket(n)` slots and `kv_bucket(max_len + 1)` cache positions, 
 follows the real batch and context: the KV cache (`DecodeCache`, one array pair per layer) is
 sized exactly to those buckets and resized when they change (`_fit_cache`: it grows with the
 batch or the context and shrinks as requests finish and none wait),
-and every program runs unrolled over per-layer weights (`tlt_jax.models.decode`: on XLA:CPU
-the scanned form copied each layer's weights and cache window before reading them). When a
-request finishes the last running slot moves into its place, and queued requests are
-prefilled into the free slots before the next step.
+and steps run over per-layer weights (`tlt_jax.models.decode`: on XLA:CPU the scanned form
+copied each layer's weights and cache window before reading them). When a request finishes
+the last running slot moves into its place, and queued requests are prefilled into the free
+slots before the next step.
 
 Every device program is compiled ahead of time once per static shape key and kept in the
 engine's executable pool; steady-state generation never traces. `EngineStats` reports the
-compile count and compile seconds.
+compile count and compile seconds. Decode and verify steps come in two tiers
+(`EngineConfig.layers_per_program`, `one_program_after`): a bucket's first steps run as
+programs of a few layers each (`LayeredForward`: cheap to compile, shared by every block and
+by greedy and sampled steps), and a bucket that keeps running is compiled as one program with
+every layer unrolled (the fastest step). On CPU that halves what a short run spends compiling;
+accelerators start in the second tier.
 
 What each decode step runs is the engine's `step_policy` (`tlt_jax.rollout.adaptive`): plain
 decoding or a speculative step (`StepChoice`: an EAGLE, n-gram or hybrid draft tree of a
@@ -30,6 +35,7 @@ shared with the trainer: one pool, one compile report.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -42,9 +48,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from tlt_jax.models.decode import DecodeCache, cached_forward, layer_shardings, unstack_layers
+from tlt_jax.models.decode import (
+    DecodeCache,
+    ForwardInputs,
+    LayeredForward,
+    block_program,
+    final_features,
+    layer_shardings,
+    unstack_layers,
+)
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.transformer import NewKV, Transformer
+from tlt_jax.models.transformer import NewKV, Transformer, causal_mask
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.programs import ProgramPool
 from tlt_jax.rollout import speculative
@@ -56,7 +70,7 @@ from tlt_jax.rollout.spec_engine import (
     check_hot_token_ids,
     check_spec_settings,  # fmt: skip
 )
-from tlt_jax.rollout.speculative import DraftState, SpecStrategy
+from tlt_jax.rollout.speculative import DraftState, SpecStrategy, draft_length, without_caches
 
 DRAFTER_SYNC = ("lazy", "eager")
 
@@ -111,6 +125,16 @@ class EngineConfig:
     # then seen one step late; the one token computed after it is dropped (outputs are those
     # of `overlap_host=False`, token for token).
     overlap_host: bool = True
+    # Two tiers of step programs. A decode or verify step at a (batch, kv) bucket first runs
+    # as programs of `layers_per_program` layers each (`models.decode.LayeredForward`: one
+    # block program serves every block and bucket of the same size, so entering a bucket
+    # compiles little), and once that bucket has run `one_program_after` such steps it is
+    # compiled as one program with every layer unrolled (the fastest step, the dearest
+    # compile). 0 layers: one program from the start; None: per backend (1 on CPU, where an
+    # unrolled SmolLM2 step compiles in 2-4 s and a layered one runs 5-15% slower; 0
+    # elsewhere, where a dispatch per layer costs more). `one_program_after=0`: never fused.
+    layers_per_program: int | None = None
+    one_program_after: int = 256
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "max_prefill_batch", "min_kv_bucket",
@@ -121,6 +145,14 @@ class EngineConfig:
         if isinstance(self.spec_strategy, str):
             object.__setattr__(self, "spec_strategy", SpecStrategy.parse(self.spec_strategy))
         check_spec_settings(self.spec_strategy, self.spec_max_batch, self.spec_attention_impl)
+        n = self.layers_per_program
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ValueError(f"engine.layers_per_program={n!r} must be an integer >= 0 (0: one "
+                             "program per step) or None (per backend)")  # fmt: skip
+        if (not isinstance(self.one_program_after, int) or isinstance(self.one_program_after, bool)
+                or self.one_program_after < 0):  # fmt: skip
+            raise ValueError(f"engine.one_program_after={self.one_program_after!r} must be an "
+                             "integer >= 0 (0: never)")  # fmt: skip
         if self.drafter_sync not in DRAFTER_SYNC:
             raise ValueError(f"engine.drafter_sync={self.drafter_sync!r} is not one of "
                              f"{list(DRAFTER_SYNC)}")  # fmt: skip
@@ -317,23 +349,23 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     return state, tokens, logprobs
 
 
-def decode_program(graphdef, params, layers, state: DecodeState, drafter_params=None, *,
-                   batch: int, kv_len: int, greedy_only: bool, drafter_config=None,
-                   attention_impl: str = "xla"):  # fmt: skip
-    """One token for slots [0, batch) attending to cache positions [0, kv_len): the state's
-    caches are exactly that size (`DecodeState.cache`), `layers` the policy's per-layer weights.
-
-    With `drafter_params` (eager drafter sync; every slot's drafter in sync) the drafter also
-    appends the step's pair (new token, feature of the fed token), staying in sync.
-    """
-    _count_trace("decode")
-    for cache in [state.cache] + ([] if state.draft is None else [state.draft.cache]):
-        cache.check_size(batch, kv_len)
+def decode_inputs(graphdef, params, state: DecodeState, *, batch: int) -> ForwardInputs:
+    """A decode step's layer inputs: slots [0, batch)'s last tokens embedded at their
+    lengths, attending to the cache below them."""
     model = nnx.merge(graphdef, params)
     lengths = state.lengths[:batch]
-    tokens_in = state.last_token[:batch, None]
-    features, _, cache = cached_forward(model, layers, tokens_in, lengths[:, None], state.cache,
-                                        lengths, write=True)  # fmt: skip
+    x = model.embed_tokens(state.last_token[:batch, None])
+    return x, lengths[:, None], causal_mask(batch, 1), lengths
+
+
+def decode_outputs(graphdef, params, state: DecodeState, drafter_params, x_Bx1xD, *,
+                   batch: int, greedy_only: bool, drafter_config=None,
+                   attention_impl: str = "xla"):  # fmt: skip
+    """A decode step after the layers: head, token choice, the state's scalars and (eager
+    drafter sync) the drafter's pair. Leaves `state.cache` alone (None in layered steps)."""
+    model = nnx.merge(graphdef, params)
+    lengths = state.lengths[:batch]
+    features = final_features(model, x_Bx1xD)
     logits = model.logits(features)[:, 0]
     tokens, logprobs = choose_tokens(
         logits, state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
@@ -347,12 +379,35 @@ def decode_program(graphdef, params, layers, state: DecodeState, drafter_params=
             attention_impl=attention_impl,
         )  # fmt: skip
     state = state.replace(
-        cache=cache,
         lengths=state.lengths.at[:batch].add(1),
         last_token=state.last_token.at[:batch].set(tokens),
         draft=draft,
     )
     return state, tokens, logprobs
+
+
+def decode_program(graphdef, params, layers, state: DecodeState, drafter_params=None, *,
+                   batch: int, kv_len: int, greedy_only: bool, drafter_config=None,
+                   attention_impl: str = "xla"):  # fmt: skip
+    """One token for slots [0, batch) attending to cache positions [0, kv_len): the state's
+    caches are exactly that size (`DecodeState.cache`), `layers` the policy's per-layer weights.
+
+    With `drafter_params` (eager drafter sync; every slot's drafter in sync) the drafter also
+    appends the step's pair (new token, feature of the fed token), staying in sync. One
+    program: `decode_inputs`, the layers (`block_program`), `decode_outputs`; a layered engine
+    runs the three as programs of their own.
+    """
+    _count_trace("decode")
+    for cache in [state.cache] + ([] if state.draft is None else [state.draft.cache]):
+        cache.check_size(batch, kv_len)
+    model_config = nnx.merge(graphdef, params).config
+    inputs = decode_inputs(graphdef, params, state, batch=batch)
+    x, _, cache = block_program(layers, state.cache, *inputs, config=model_config, write=True)
+    state, tokens, logprobs = decode_outputs(
+        graphdef, params, state, drafter_params, x, batch=batch, greedy_only=greedy_only,
+        drafter_config=drafter_config, attention_impl=attention_impl,
+    )  # fmt: skip
+    return state.replace(cache=cache), tokens, logprobs
 
 
 def resize_program(state: DecodeState, *, batch: int, kv_len: int, shardings=None) -> DecodeState:
@@ -386,11 +441,6 @@ def fresh_program(state: DecodeState, *, config, drafter_config, batch: int, kv_
                                           else shardings.draft.cache))  # fmt: skip
     return state.replace(cache=zeros(config, None if shardings is None else shardings.cache),
                          draft=draft)  # fmt: skip
-
-
-def without_caches(state: DecodeState) -> DecodeState:
-    draft = None if state.draft is None else state.draft.replace(cache=None)
-    return state.replace(cache=None, draft=draft)
 
 
 def _move_slot(state: DecodeState, src, dst):
@@ -492,8 +542,17 @@ class RolloutEngine:
         self.step_policy = step_policy if step_policy is not None else PlainPolicy()
         if hot_token_ids is not None:
             self.set_hot_token_ids(hot_token_ids)
+        block = config.layers_per_program
+        if block is None:
+            block = 1 if jax.default_backend() == "cpu" else 0
+        # None: every step is one program (all layers unrolled in it).
+        self.forward = (LayeredForward(model.config, block, self._program)
+                        if 0 < block < model.config.num_layers else None)  # fmt: skip
+        self._layered_steps: dict[tuple, int] = {}
+        self._steady = False  # `one_program_steps`
         self.spec = SpecRunner(config, self.graphdef, self.drafter_config, self.stats,
-                               self._program, self.ngram)  # fmt: skip
+                               self._program, self.ngram, self.forward,
+                               self._one_program)  # fmt: skip
         # Caches start at one slot and the smallest kv bucket; `_fit_cache` sizes them.
         self.state = DecodeState.create(model.config, config.max_batch_size,
                                         config.kv_buckets[0], self.drafter_config,
@@ -595,6 +654,41 @@ class RolloutEngine:
         self.stats.compile_count += 1
         return program
 
+    def _one_program(self, key: tuple) -> bool:
+        """Whether the step whose one-program key is `key` runs as that program: always
+        without a layered forward, and with one once the key was compiled or has run
+        `one_program_after` layered steps (then it compiles); else the step runs layered
+        and is counted."""
+        if self.forward is None or self._steady or key in self.pool:
+            return True
+        steps = self._layered_steps.get(key, 0)
+        after = self.config.one_program_after
+        if after and steps >= after:
+            return True
+        self._layered_steps[key] = steps + 1
+        return False
+
+    @contextlib.contextmanager
+    def one_program_steps(self):
+        """Inside, every decode and verify step runs as one program (the engine's steady
+        state), however few steps its bucket has run: for timing steps (calibration)."""
+        saved, self._steady = self._steady, True
+        try:
+            yield self
+        finally:
+            self._steady = saved
+
+    def decode_sizes(self) -> set[tuple[int, int]]:
+        """(batch, kv) buckets of the plain decode steps compiled so far, in either form (one
+        program, keyed "decode", or layer blocks writing one token, keyed "layers")."""
+        sizes = set()
+        for key in self.pool.keys():
+            if key[0] == "decode":
+                sizes.add((key[1], key[2]))
+            elif key[0] == "layers" and key[3] == 1 and key[5]:  # (.., b, t, s, write, impl)
+                sizes.add((key[2], key[4]))
+        return sizes
+
     # -- cache size ------------------------------------------------------------------------
 
     def _state_shardings(self, state):
@@ -692,14 +786,31 @@ class RolloutEngine:
         # the next SD step as in lazy mode).
         eager = (self.drafter_params is not None and cfg.drafter_sync == "eager"
                  and all(r.draft_len == r.cache_len for r in running))  # fmt: skip
-        fn = functools.partial(decode_program, self.graphdef, batch=b, kv_len=s,
-                               greedy_only=greedy, drafter_config=self.drafter_config,
-                               attention_impl=cfg.spec_attention_impl)  # fmt: skip
-        args = (self.params, self.layers, self.state, self.drafter_params if eager else None)
         compiled = self.stats.compile_count
         dispatched = time.perf_counter()
-        program = self._program(("decode", b, s, greedy, eager), fn, *args, donate=(2,))
-        self.state, tokens, logprobs = program(*args)
+        key = ("decode", b, s, greedy, eager)
+        if self._one_program(key):
+            fn = functools.partial(decode_program, self.graphdef, batch=b, kv_len=s,
+                                   greedy_only=greedy, drafter_config=self.drafter_config,
+                                   attention_impl=cfg.spec_attention_impl)  # fmt: skip
+            args = (self.params, self.layers, self.state, self.drafter_params if eager else None)
+            program = self._program(key, fn, *args, donate=(2,))
+            self.state, tokens, logprobs = program(*args)
+        else:  # inputs, the layer blocks, outputs: programs of their own
+            fn = functools.partial(decode_inputs, self.graphdef, batch=b)
+            args = (self.params, without_caches(self.state))
+            inputs = self._program(("decode_inputs", b), fn, *args)(*args)
+            x, _, cache = self.forward(self.layers, self.state.cache, inputs, write=True)
+            fn = functools.partial(decode_outputs, self.graphdef, batch=b, greedy_only=greedy,
+                                   drafter_config=self.drafter_config,
+                                   attention_impl=cfg.spec_attention_impl)  # fmt: skip
+            args = (self.params, self.state.replace(cache=None),
+                    self.drafter_params if eager else None, x)  # fmt: skip
+            # (the drafter's cache, if any, is the step's size too)
+            program = self._program(("decode_outputs", b, greedy, eager, draft_length(self.state)),
+                                    fn, *args, donate=(1,))  # fmt: skip
+            state, tokens, logprobs = program(*args)
+            self.state = state.replace(cache=cache)
         self.stats.decode_steps += 1
         return _Pending(list(running), tokens, logprobs, eager, dispatched,
                         self.stats.compile_count != compiled)  # fmt: skip

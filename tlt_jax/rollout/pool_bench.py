@@ -191,10 +191,12 @@ def pool_plans(bandit: BanditConfig, batch_buckets: Sequence[int],
 
 
 def engine_config(max_batch_size: int, kv_len: int) -> EngineConfig:
-    """One kv bucket; eager drafter sync (the rollout default: no catch-up programs)."""
+    """One kv bucket; eager drafter sync (the rollout default: no catch-up programs); every
+    step one program (the paper's pools: a layered engine's verify steps share their block
+    programs across strategies of one budget the same way)."""
     return EngineConfig(max_batch_size=max_batch_size, max_seq_len=kv_len,
                         max_prefill_batch=min(max_batch_size, 8), min_kv_bucket=kv_len,
-                        drafter_sync="eager")  # fmt: skip
+                        drafter_sync="eager", layers_per_program=0)  # fmt: skip
 
 
 def compile_pool(model, drafter, plan: Plan, config: EngineConfig, *, hot_vocab: int = 0,

@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.models.config import ModelConfig
+from tlt_jax.models.decode import DecodeCache
 from tlt_jax.models.transformer import ATTENTION_IMPLS
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.adaptive import StepChoice
 from tlt_jax.rollout.draft_tree import DraftTree
-from tlt_jax.rollout.speculative import SpecStrategy
+from tlt_jax.rollout.speculative import SpecStrategy, draft_length, without_caches
 
 
 def check_drafter_fits(target: ModelConfig, drafter: ModelConfig) -> None:
@@ -99,7 +100,8 @@ class SpecRunner:
     """SD steps for one engine; every dependency is passed in (no reach into the engine)."""
 
     def __init__(self, config, graphdef, drafter_config: ModelConfig | None, stats,
-                 program: Callable, ngram=None):  # fmt: skip
+                 program: Callable, ngram=None, forward=None,
+                 one_program: Callable[[tuple], bool] | None = None):  # fmt: skip
         """
         Args:
           config: the engine's `EngineConfig` (buckets, attention impl).
@@ -108,6 +110,10 @@ class SpecRunner:
           stats: the engine's `EngineStats` (switch cost and per-source counters).
           program: `program(key, fn, *args, donate=())` -> compiled program (the engine's pool).
           ngram: the engine's `NgramIndex` (None: no model-free drafts).
+          forward: the engine's `LayeredForward` (None: each step's layers run inside one
+            program).
+          one_program: `one_program(key)` -> whether the step of that one-program key runs as
+            one program (the engine's tiering; default: whenever `forward` is None).
         """
         self.config = config
         self.graphdef = graphdef
@@ -115,6 +121,8 @@ class SpecRunner:
         self.stats = stats
         self._program = program
         self.ngram = ngram
+        self.forward = forward
+        self._one_program = one_program or (lambda key: forward is None)
 
     def step(self, choice: StepChoice, params, layers, drafter_params, hot_token_ids,
              state: Any, running: list) -> tuple[Any, SpecResult]:  # fmt: skip
@@ -130,7 +138,6 @@ class SpecRunner:
             raise ValueError(f"step policy chose {choice} but this engine has no n-gram index")
         if drafter_params is not None:
             state = self.sync_drafter(params, layers, drafter_params, state, running)
-        cfg = self.config
         b, s = state.cache.batch, state.cache.length
         strategy = choice.strategy
         k, d, t = strategy.topk, strategy.depth, strategy.verify_tokens
@@ -141,17 +148,12 @@ class SpecRunner:
         else:
             tree = self._ngram_tree(running, b, t, d, k)
         greedy = all(r.request.sampling.greedy for r in running)
-        verify_fn = functools.partial(
-            speculative.verify_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
-            greedy_only=greedy, attention_impl=cfg.spec_attention_impl,
-        )  # fmt: skip
-        args = (params, layers, drafter_params, state, tree)
-        key = ("spec_verify", b, t, s, greedy, drafter_params is not None)
-        state, tokens, logprobs, counts, new, path = self._program(key, verify_fn, *args,
-                                                                   donate=(3,))(*args)  # fmt: skip
-        commit_fn = functools.partial(speculative.commit_program, batch=b)
-        args = (state, new, path, counts)
-        state = self._program(("spec_commit", b, t, s), commit_fn, *args, donate=(0,))(*args)
+        if self._one_program(self._verify_key(b, t, s, greedy, drafter_params)):
+            state, tokens, logprobs, counts = self._verify(params, layers, drafter_params, state,
+                                                           tree, b, s, t, greedy)  # fmt: skip
+        else:
+            state, tokens, logprobs, counts = self._verify_layered(
+                params, layers, drafter_params, state, tree, b, t, greedy)  # fmt: skip
         result = SpecResult(np.asarray(tokens), np.asarray(logprobs), np.asarray(counts))
         stats = self.stats
         stats.spec_steps += 1
@@ -161,6 +163,49 @@ class SpecRunner:
         stats.spec_tokens_by_source[choice.source] = stats.spec_tokens_by_source.get(
             choice.source, 0) + int(result.counts[:n].sum())  # fmt: skip
         return state, result
+
+    @staticmethod
+    def _verify_key(b, t, s, greedy, drafter_params) -> tuple:
+        return ("spec_verify", b, t, s, greedy, drafter_params is not None)
+
+    def _verify(self, params, layers, drafter_params, state, tree, b, s, t, greedy):
+        """Verify and commit as two programs, every layer unrolled in each."""
+        verify_fn = functools.partial(
+            speculative.verify_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
+            greedy_only=greedy, attention_impl=self.config.spec_attention_impl,
+        )  # fmt: skip
+        args = (params, layers, drafter_params, state, tree)
+        key = self._verify_key(b, t, s, greedy, drafter_params)
+        state, tokens, logprobs, counts, new, path = self._program(key, verify_fn, *args,
+                                                                   donate=(3,))(*args)  # fmt: skip
+        commit_fn = functools.partial(speculative.commit_program, batch=b)
+        args = (state, new, path, counts)
+        state = self._program(("spec_commit", b, t, s), commit_fn, *args, donate=(0,))(*args)
+        return state, tokens, logprobs, counts
+
+    def _verify_layered(self, params, layers, drafter_params, state, tree, b, t, greedy):
+        """Verify and commit with the layers as block programs (`LayeredForward`): the
+        inputs, the blocks reading the cache, the acceptance, then one commit per block."""
+        impl = self.config.spec_attention_impl
+        fn = functools.partial(speculative.verify_inputs, self.graphdef, batch=b)
+        args = (params, without_caches(state), tree)
+        inputs = self._program(("verify_inputs", b, t), fn, *args)(*args)
+        x, news, cache = self.forward(layers, state.cache, inputs, write=False,
+                                      attention_impl=impl)  # fmt: skip
+        fn = functools.partial(speculative.verify_outputs, self.graphdef, self.drafter_config,
+                               batch=b, greedy_only=greedy, attention_impl=impl)  # fmt: skip
+        args = (params, drafter_params, state.replace(cache=None), tree, x)
+        key = ("verify_outputs", b, t, greedy, drafter_params is not None, draft_length(state))
+        state, tokens, logprobs, counts, path = self._program(key, fn, *args, donate=(2,))(*args)
+        blocks, start = [], 0
+        fn = functools.partial(speculative.commit_block_program, batch=b)
+        for new in news:
+            n = new.k.shape[0]
+            args = (cache.block(start, start + n), new, path, counts, state.lengths)
+            key = ("commit_block", n, b, t, cache.length)
+            blocks.append(self._program(key, fn, *args, donate=(0,))(*args))
+            start += n
+        return state.replace(cache=DecodeCache.joined(blocks)), tokens, logprobs, counts
 
     def _eagle_tree(self, params, drafter_params, hot, state, b, s, strategy) -> DraftTree:
         k, d, t = strategy.topk, strategy.depth, strategy.verify_tokens
@@ -223,16 +268,30 @@ class SpecRunner:
                 tokens[i, : behind[i]] = seq[run.draft_len : run.cache_len]
                 next_tokens[i, : behind[i]] = seq[run.draft_len + 1 : run.cache_len + 1]
                 counts[i] = behind[i]
-        fn = functools.partial(
-            speculative.catchup_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
-            attention_impl=cfg.spec_attention_impl,
-        )  # fmt: skip
-        args = (params, layers, drafter_params, state, tokens, next_tokens, counts)
-        program = self._program(("drafter_catchup", b, t, s), fn, *args, donate=(3,))
-        start = time.perf_counter()
-        state = program(*args)
+        start, compiling = time.perf_counter(), self.stats.compile_seconds
+        if self.forward is None:  # rare: no tiering, layered whenever the engine is
+            fn = functools.partial(
+                speculative.catchup_program, self.graphdef, self.drafter_config, batch=b,
+                kv_len=s, attention_impl=cfg.spec_attention_impl,
+            )  # fmt: skip
+            args = (params, layers, drafter_params, state, tokens, next_tokens, counts)
+            state = self._program(("drafter_catchup", b, t, s), fn, *args, donate=(3,))(*args)
+        else:
+            fn = functools.partial(speculative.catchup_inputs, self.graphdef, batch=b)
+            args = (params, without_caches(state), tokens)
+            inputs = self._program(("catchup_inputs", b, t), fn, *args)(*args)
+            x, _, cache = self.forward(layers, state.cache, inputs, write=False,
+                                       attention_impl=cfg.spec_attention_impl)  # fmt: skip
+            fn = functools.partial(speculative.catchup_outputs, self.graphdef,
+                                   self.drafter_config, batch=b,
+                                   attention_impl=cfg.spec_attention_impl)  # fmt: skip
+            args = (params, drafter_params, state.replace(cache=None), next_tokens, counts, x)
+            key = ("catchup_outputs", b, t, draft_length(state))
+            state = self._program(key, fn, *args, donate=(2,))(*args)
+            state = state.replace(cache=cache)
         jax.block_until_ready(state.draft.lengths)  # rare, and measured
-        self.stats.spec_switch_seconds += time.perf_counter() - start
+        compiling = self.stats.compile_seconds - compiling  # not the switch's cost
+        self.stats.spec_switch_seconds += time.perf_counter() - start - compiling
         self.stats.spec_switch_count += 1
         self.stats.spec_switch_tokens += int(counts.sum())
         for run in running:

@@ -37,9 +37,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from tlt_jax.models.config import ModelConfig
-from tlt_jax.models.decode import DecodeCache, cached_forward
+from tlt_jax.models.decode import DecodeCache, ForwardInputs, block_program, final_features
 from tlt_jax.models.drafter import DrafterParams, drafter_decode, drafter_forward
-from tlt_jax.models.transformer import NewKV
+from tlt_jax.models.transformer import NewKV, causal_mask
 from tlt_jax.rollout.acceptance import accept_tree
 from tlt_jax.rollout.draft_tree import Candidates, DraftTree, build_tree, draft_candidates
 
@@ -194,6 +194,18 @@ def prefill_drafter(params: DrafterParams, config: ModelConfig, embed_VxD: jax.A
     )
 
 
+def without_caches(state):
+    """An engine `DecodeState` with its caches (the target's and the drafter's) taken out: what
+    a program that reads none of them takes, so its key needs no cache size."""
+    draft = None if state.draft is None else state.draft.replace(cache=None)
+    return state.replace(cache=None, draft=draft)
+
+
+def draft_length(state) -> int | None:
+    """The drafter cache's positions (a program that reads it depends on them), None without."""
+    return None if state.draft is None else state.draft.cache.length
+
+
 # ----------------------------------------------------------------------------- programs
 # Each takes the target's (graphdef, params) and the engine's `DecodeState` (`state.draft` is
 # a `DraftState`); static keywords are bound with functools.partial before AOT compilation.
@@ -221,27 +233,25 @@ def tree_program(candidates: Candidates, state, *, batch: int, verify_tokens: in
                       verify_tokens=verify_tokens, max_depth=depth)  # fmt: skip
 
 
-def verify_program(graphdef, drafter_config: ModelConfig, params, layers, drafter_params, state,
-                   tree: DraftTree, *, batch: int, kv_len: int, greedy_only: bool,
-                   attention_impl: str = "xla", residual: str = "exact"):  # fmt: skip
-    """Verifies and accepts one tree per slot in [0, batch); `commit_program` then writes the
-    accepted path into the target cache.
+def verify_inputs(graphdef, params, state, tree: DraftTree, *, batch: int) -> ForwardInputs:
+    """The layer inputs of a verify step: the tree's tokens embedded at their positions,
+    attending to the cache below each slot's length and to their ancestors."""
+    model = nnx.merge(graphdef, params)
+    x = model.embed_tokens(tree.tokens_BxT)
+    return x, tree.positions_BxT, tree.mask_BxTxT, state.lengths[:batch]
 
-    Returns:
-      (state, tokens_BxT, logprobs_BxT, num_emitted_B, new_kv, path_BxT): the emitted tokens are
-      `tokens[b, :num_emitted[b]]` (accepted drafts, then the correction or bonus token), with
-      their logprobs under the target; the state's lengths grew by num_emitted, `last_token`
-      is the last emitted token and the drafter (if `drafter_params` is given) is in sync;
-      `new_kv` are the tree nodes' keys and values and `path_BxT` the accepted nodes, for the
-      commit.
+
+def verify_outputs(graphdef, drafter_config: ModelConfig, params, drafter_params, state,
+                   tree: DraftTree, x_BxTxD, *, batch: int, greedy_only: bool,
+                   attention_impl: str = "xla", residual: str = "exact"):  # fmt: skip
+    """A verify step after the layers: acceptance, the drafter's extend, the state's scalars.
+    Leaves `state.cache` alone (None in layered steps).
+
+    Returns (state, tokens_BxT, logprobs_BxT, num_emitted_B, path_BxT) as `verify_program`.
     """
     model = nnx.merge(graphdef, params)
-    state.cache.check_size(batch, kv_len)
     lengths = state.lengths[:batch]
-    features_BxTxD, new, _ = cached_forward(
-        model, layers, tree.tokens_BxT, tree.positions_BxT, state.cache, lengths,
-        mask_BxTxT=tree.mask_BxTxT, attention_impl=attention_impl,
-    )  # fmt: skip
+    features_BxTxD = final_features(model, x_BxTxD)
     logits_BxTxV = model.logits(features_BxTxD)
     result = accept_tree(
         logits_BxTxV, tree.tokens_BxT, tree.parents_BxT, tree.positions_BxT,
@@ -263,7 +273,34 @@ def verify_program(graphdef, drafter_config: ModelConfig, params, layers, drafte
         last_token=state.last_token.at[:batch].set(last_token),
         draft=draft,
     )
-    return state, result.tokens_BxT, result.logprobs_BxT, count_B, new, result.path_BxT
+    return state, result.tokens_BxT, result.logprobs_BxT, count_B, result.path_BxT
+
+
+def verify_program(graphdef, drafter_config: ModelConfig, params, layers, drafter_params, state,
+                   tree: DraftTree, *, batch: int, kv_len: int, greedy_only: bool,
+                   attention_impl: str = "xla", residual: str = "exact"):  # fmt: skip
+    """Verifies and accepts one tree per slot in [0, batch); `commit_program` then writes the
+    accepted path into the target cache. One program: `verify_inputs`, the layers (reading the
+    cache), `verify_outputs`; a layered engine runs the three as programs of their own.
+
+    Returns:
+      (state, tokens_BxT, logprobs_BxT, num_emitted_B, new_kv, path_BxT): the emitted tokens are
+      `tokens[b, :num_emitted[b]]` (accepted drafts, then the correction or bonus token), with
+      their logprobs under the target; the state's lengths grew by num_emitted, `last_token`
+      is the last emitted token and the drafter (if `drafter_params` is given) is in sync;
+      `new_kv` are the tree nodes' keys and values and `path_BxT` the accepted nodes, for the
+      commit.
+    """
+    state.cache.check_size(batch, kv_len)
+    model_config = nnx.merge(graphdef, params).config
+    inputs = verify_inputs(graphdef, params, state, tree, batch=batch)
+    x, new = block_program(layers, state.cache, *inputs, config=model_config, write=False,
+                           attention_impl=attention_impl)  # fmt: skip
+    state, tokens, logprobs, count_B, path = verify_outputs(
+        graphdef, drafter_config, params, drafter_params, state, tree, x, batch=batch,
+        greedy_only=greedy_only, attention_impl=attention_impl, residual=residual,
+    )  # fmt: skip
+    return state, tokens, logprobs, count_B, new, path
 
 
 def commit_program(state, new: NewKV, path_BxT: jax.Array, count_B: jax.Array, *,
@@ -272,6 +309,36 @@ def commit_program(state, new: NewKV, path_BxT: jax.Array, count_B: jax.Array, *
     `num_emitted_B`) into the target cache, at the positions before the verify's lengths."""
     start_B = state.lengths[:batch] - count_B
     return state.replace(cache=commit_kv(state.cache, new, path_BxT, start_B, count_B))
+
+
+def commit_block_program(cache: DecodeCache, new: NewKV, path_BxT: jax.Array,
+                         count_B: jax.Array, lengths: jax.Array, *,
+                         batch: int) -> DecodeCache:  # fmt: skip
+    """`commit_program` for one block of layers of a layered engine (`lengths`: the state's,
+    after the verify)."""
+    return commit_kv(cache, new, path_BxT, lengths[:batch] - count_B, count_B)
+
+
+def catchup_inputs(graphdef, params, state, tokens_BxT, *, batch: int) -> ForwardInputs:
+    """The layer inputs of a drafter catch-up: the missed tokens at the drafter's lengths."""
+    model = nnx.merge(graphdef, params)
+    starts = state.draft.lengths[:batch]
+    t = tokens_BxT.shape[1]
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return model.embed_tokens(tokens_BxT), positions, causal_mask(batch, t), starts
+
+
+def catchup_outputs(graphdef, drafter_config: ModelConfig, params, drafter_params, state,
+                    next_tokens_BxT, counts_B, x_BxTxD, *, batch: int,
+                    attention_impl: str = "xla"):  # fmt: skip
+    """A catch-up after the layers: the drafter appends the pairs."""
+    model = nnx.merge(graphdef, params)
+    draft = extend_drafter(
+        drafter_params, drafter_config, model.embed.get_value(), state.draft, next_tokens_BxT,
+        final_features(model, x_BxTxD), state.draft.lengths[:batch], counts_B, batch=batch,
+        attention_impl=attention_impl,
+    )  # fmt: skip
+    return state.replace(draft=draft)
 
 
 def catchup_program(graphdef, drafter_config: ModelConfig, params, layers, drafter_params, state,
@@ -283,17 +350,14 @@ def catchup_program(graphdef, drafter_config: ModelConfig, params, layers, draft
     the sequence's tokens x[a ..] up to the target length and `next_tokens_BxT` the same shifted
     by one (ending with the pending token). The target's features of those positions are
     recomputed (one forward against the target cache, which is not written) and the drafter
-    appends their pairs. Rows with count 0 are left alone.
+    appends their pairs. Rows with count 0 are left alone. One program: `catchup_inputs`, the
+    layers, `catchup_outputs` (a layered engine runs them as programs of their own).
     """
-    model = nnx.merge(graphdef, params)
     state.cache.check_size(batch, kv_len)
-    starts = state.draft.lengths[:batch]
-    t = tokens_BxT.shape[1]
-    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    features_BxTxD, _, _ = cached_forward(model, layers, tokens_BxT, positions, state.cache,
-                                          starts, attention_impl=attention_impl)  # fmt: skip
-    draft = extend_drafter(
-        drafter_params, drafter_config, model.embed.get_value(), state.draft, next_tokens_BxT,
-        features_BxTxD, starts, counts_B, batch=batch, attention_impl=attention_impl,
-    )  # fmt: skip
-    return state.replace(draft=draft)
+    model_config = nnx.merge(graphdef, params).config
+    inputs = catchup_inputs(graphdef, params, state, tokens_BxT, batch=batch)
+    x, _ = block_program(layers, state.cache, *inputs, config=model_config, write=False,
+                         attention_impl=attention_impl)  # fmt: skip
+    return catchup_outputs(graphdef, drafter_config, params, drafter_params, state,
+                           next_tokens_BxT, counts_B, x, batch=batch,
+                           attention_impl=attention_impl)  # fmt: skip
