@@ -324,3 +324,14 @@ def test_rollout_config_checks_layers_per_program():
     with pytest.raises(ValueError, match=r"rollout.layers_per_program=-2"):
         RolloutConfig(layers_per_program=-2)
     assert RolloutConfig(layers_per_program=0).layers_per_program == 0
+
+
+def test_the_layered_tier_is_the_cpu_default_for_deep_policies():
+    shallow = init_model(presets.get_preset("tiny"), seed=1)
+    deep = init_model(presets.get_preset("tiny", num_layers=engine_lib.LAYERED_MIN_LAYERS), seed=1)
+    config = EngineConfig(max_batch_size=2, max_seq_len=64)
+    assert RolloutEngine(shallow, config).forward is None  # 2 layers: one program at once
+    layered = RolloutEngine(deep, config).forward
+    assert layered is not None and layered.block == 1
+    assert RolloutEngine(deep, EngineConfig(max_batch_size=2, max_seq_len=64,
+                                            layers_per_program=0)).forward is None  # fmt: skip

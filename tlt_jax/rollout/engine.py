@@ -73,6 +73,8 @@ from tlt_jax.rollout.spec_engine import (
 from tlt_jax.rollout.speculative import DraftState, SpecStrategy, draft_length, without_caches
 
 DRAFTER_SYNC = ("lazy", "eager")
+# `layers_per_program=None` starts CPU engines of policies this deep in the layered tier.
+LAYERED_MIN_LAYERS = 8
 
 # Bumped inside traced functions, so it counts traces (tests prove no retracing).
 TRACE_COUNTS: dict[str, int] = {}
@@ -130,9 +132,10 @@ class EngineConfig:
     # block program serves every block and bucket of the same size, so entering a bucket
     # compiles little), and once that bucket has run `one_program_after` such steps it is
     # compiled as one program with every layer unrolled (the fastest step, the dearest
-    # compile). 0 layers: one program from the start; None: per backend (1 on CPU, where an
-    # unrolled SmolLM2 step compiles in 2-4 s and a layered one runs 5-15% slower; 0
-    # elsewhere, where a dispatch per layer costs more). `one_program_after=0`: never fused.
+    # compile). 0 layers: one program from the start; None: per backend (1 on CPU for
+    # policies of >= 8 layers, where an unrolled SmolLM2 step compiles in 2-4 s and a layered
+    # one runs 5-15% slower; 0 elsewhere, where a dispatch per layer costs more, and for
+    # shallow policies, which compile fast unrolled). `one_program_after=0`: never fused.
     layers_per_program: int | None = None
     one_program_after: int = 256
 
@@ -543,8 +546,9 @@ class RolloutEngine:
         if hot_token_ids is not None:
             self.set_hot_token_ids(hot_token_ids)
         block = config.layers_per_program
-        if block is None:
-            block = 1 if jax.default_backend() == "cpu" else 0
+        if block is None:  # a few unrolled layers compile quickly: nothing to save there
+            cpu = jax.default_backend() == "cpu"
+            block = 1 if cpu and model.config.num_layers >= LAYERED_MIN_LAYERS else 0
         # None: every step is one program (all layers unrolled in it).
         self.forward = (LayeredForward(model.config, block, self._program)
                         if 0 < block < model.config.num_layers else None)  # fmt: skip
