@@ -249,7 +249,8 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model):
         for got, expected in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
             assert got.sharding.is_equivalent_to(expected, got.ndim)
     assert engines[1].stats.spec_steps > 0
-    assert any(k[0] == "resize" and k[3] == 4 for k in engines[1].pool.keys())
+    # Caches were resized on the mesh (slots shrinking as the batch drained) and kept sharded.
+    assert any(k[0] == "resize" and k[3] < k[1] for k in engines[1].pool.keys())
 
 
 def test_a_rollout_starts_from_caches_fitted_to_its_own_requests(model):
@@ -335,3 +336,17 @@ def test_the_layered_tier_is_the_cpu_default_for_deep_policies():
     assert layered is not None and layered.block == 1
     assert RolloutEngine(deep, EngineConfig(max_batch_size=2, max_seq_len=64,
                                             layers_per_program=0)).forward is None  # fmt: skip
+
+
+def test_an_admission_round_sizes_the_cache_once(model):
+    """Four distinct prompts, two per prefill: the cache holds all four slots from the first
+    prefill on, so both prefills share one program and nothing is resized in between."""
+    engine = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=256,
+                                               max_prefill_batch=2, min_kv_bucket=32))  # fmt: skip
+    requests = [Request([1 + i, 2, 3], 4) for i in range(4)]
+    out = engine.generate(requests)
+    prefills = [k for k in engine.pool.keys() if k[0] == "prefill"]
+    assert len(prefills) == 1 and prefills[0][5] == 4, prefills  # (.., cache slots, kv)
+    assert not any(k[0] == "resize" for k in engine.pool.keys())
+    for req, comp in zip(requests, out, strict=True):
+        assert comp.token_ids == reference_greedy(model, req.prompt_ids, 4)

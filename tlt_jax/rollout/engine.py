@@ -737,12 +737,13 @@ class RolloutEngine:
             fn = functools.partial(fn, shardings=self._state_shardings(jax.eval_shape(fn, *args)))
         self.state = self._program(key, fn, *args)(*args)  # new shapes: no donation
 
-    def _run_prefill(self, batch: list[_Running], slots: list[int],
-                     running: list[_Running]) -> tuple[np.ndarray, ...]:  # fmt: skip
-        """Prefills `batch` into `slots`, each distinct prompt once (`prefill_program`)."""
+    def _run_prefill(self, batch: list[_Running], slots: list[int], running: list[_Running],
+                     admitting: int = 0) -> tuple[np.ndarray, ...]:  # fmt: skip
+        """Prefills `batch` into `slots`, each distinct prompt once (`prefill_program`); the
+        cache holds at least `admitting` slots (the running and admitted requests)."""
         cfg = self.config
         longest = max([len(r.request.prompt_ids) for r in batch] + [r.cache_len for r in running])
-        self._fit_cache(slots[-1] + 1, longest + self._margin, shrink_slots=False,
+        self._fit_cache(max(slots[-1] + 1, admitting), longest + self._margin, shrink_slots=False,
                         fresh=not running)  # fmt: skip
         rows: dict[tuple[int, ...], int] = {}
         for run in batch:
@@ -915,7 +916,10 @@ class RolloutEngine:
                     prompts.add(prompt)
                     batch.append(queue.popleft())
                 slots = list(range(len(running), len(running) + len(batch)))
-                tokens, logprobs = self._run_prefill(batch, slots, running)
+                # The cache is sized once for every request this admission round takes (not
+                # grown prefill by prefill: each size would compile its own prefill program).
+                admitting = min(cfg.max_batch_size, len(running) + len(batch) + len(queue))
+                tokens, logprobs = self._run_prefill(batch, slots, running, admitting)
                 now = time.perf_counter()
                 for run, tok, lp in zip(batch, tokens, logprobs, strict=False):
                     run.completion.first_token_time = now
