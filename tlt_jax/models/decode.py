@@ -380,8 +380,11 @@ class LayeredForward:
     as much again for each verify and commit program). A block program is compiled once per
     (block size, batch, new tokens, kv) and reused by every block; the step's other parts
     (embedding, head, sampling, acceptance) are programs that depend on the batch alone. The
-    price is one dispatch per block, which an accelerator's fast steps can feel (there the
-    default is one program); on the CPU the step times match (BENCHMARKS.md).
+    price: on this CPU a layered step runs 5-15% slower than the one-program step (mostly the
+    head and token choice running as a program of their own; a dispatch is ~30 us), so the
+    engine promotes a bucket that keeps running to one program
+    (`EngineConfig.one_program_after`); accelerators, where a dispatch per layer would show,
+    start with one program (BENCHMARKS.md, "Two tiers of step programs").
     """
 
     def __init__(self, config: ModelConfig, block: int, program):
