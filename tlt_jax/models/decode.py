@@ -329,6 +329,8 @@ def cached_layers(layers: LayerParams, x_BxTxD: jax.Array, sin_cos, mask_BxTxT: 
     if len(layers) != cache.num_layers:
         raise ValueError(f"{len(layers)} layers of weights but the cache has {cache.num_layers}")
     b, t = x_BxTxD.shape[:2]
+    if cache.batch != b:
+        raise ValueError(f"cache has {cache.batch} slots for a batch of {b} rows")
     slots_Bx1 = jnp.arange(b, dtype=jnp.int32)[:, None]
     positions_BxT = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     ks, vs = [], []
@@ -361,7 +363,6 @@ def block_program(layers: LayerParams, cache: DecodeCache, x_BxTxD: jax.Array,
     Returns (x, NewKV of the block's layers, the block's cache) with `write` (the cache is
     donated and written in place), (x, NewKV) without.
     """
-    cache.check_size(x_BxTxD.shape[0], cache.length)
     sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
     x, new, cache = cached_layers(layers, x_BxTxD, sin_cos, mask_BxTxT, config, cache, starts_B,
                                   write=write, attention_impl=attention_impl)  # fmt: skip
@@ -409,10 +410,10 @@ class LayeredForward:
         x, positions, mask, starts = inputs
         b, t = x.shape[:2]
         news, blocks = [], []
+        fn = functools.partial(block_program, config=self.config, write=write,
+                               attention_impl=attention_impl)  # fmt: skip
         for start in range(0, len(layers), self.block):
             stop = min(start + self.block, len(layers))
-            fn = functools.partial(block_program, config=self.config, write=write,
-                                   attention_impl=attention_impl)  # fmt: skip
             args = (layers[start:stop], cache.block(start, stop), x, positions, mask, starts)
             key = ("layers", stop - start, b, t, cache.length, write, attention_impl)
             out = self._program(key, fn, *args, donate=(1,) if write else ())(*args)
@@ -448,8 +449,6 @@ def cached_forward(model: Transformer, layers: LayerParams, tokens_BxT: jax.Arra
     """
     config = model.config
     b, t = tokens_BxT.shape
-    if cache.batch != b:
-        raise ValueError(f"cache has {cache.batch} slots for a batch of {b} rows")
     mask = causal_mask(b, t) if mask_BxTxT is None else mask_BxTxT
     sin_cos = rope_sin_cos(positions_BxT, rope_inv_freq(config))
     x, new, cache = cached_layers(layers, model.embed_tokens(tokens_BxT), sin_cos, mask, config,
