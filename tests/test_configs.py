@@ -12,7 +12,7 @@ from rl_testing import CONFIG_DIR, REPO, load_config_dict, tiny_config
 
 from tlt_jax.models.presets import get_preset
 from tlt_jax.rl import policy
-from tlt_jax.rl.config import ModelSettings, TrainConfig, default_config_dict
+from tlt_jax.rl.config import ModelSettings, RLConfig, TrainConfig, default_config_dict
 from tlt_jax.rl.trainer import Trainer
 
 CONFIGS = [("tiny", None), ("tiny", "tlt"), ("smollm2_arith", None), ("smollm2_arith", "smoke"),
@@ -100,6 +100,10 @@ def test_bad_values_name_field_and_allowed_values():
     assert "'math_accuracy'" in _error(**{"rl.reward_fn": "no_such_reward"})
     message = _error(**{"model.preset": "huge"})
     assert "model.preset='huge'" in message and "'tiny'" in message
+    with pytest.raises(ValueError, match="rl.remat='yes' must be true, false or unset"):
+        RLConfig(remat="yes")  # a config file's typed placeholder refuses it even earlier
+    message = _error(**{"rl.recompute_logprobs": False, "rl.num_minibatches": 2})
+    assert "rl.recompute_logprobs=False with rl.num_minibatches=2" in message
 
 
 def test_unknown_field_is_refused():

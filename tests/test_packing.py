@@ -14,6 +14,7 @@ from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import algorithms, packing
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import AlgorithmConfig
+from tlt_jax.rl.config import RLConfig
 
 PROMPTS = [(5, 6, 7, 8, 9), (10, 11)]
 RESPONSES = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10, 11, 12]]  # group size 2
@@ -190,6 +191,19 @@ def test_packed_geometry_keeps_the_padded_token_budget():
     assert packing.packed_geometry(64, 256, 16, 8, 16) == (320, 13)
     assert packing.packed_geometry(40, 24, 16, 8, 16) == (64, 7)
     assert packing.packed_geometry(30, 4, 1, 1, 16) == (48, 1)
+
+
+def test_remat_defaults_per_backend_and_depth():
+    """Unset, remat is on for deep policies on CPU only; a config's choice always wins."""
+    assert step_lib.default_remat(30, "cpu") and step_lib.default_remat(8, "cpu")
+    assert not step_lib.default_remat(2, "cpu")  # the test model: little to keep
+    assert not step_lib.default_remat(30, "gpu") and not step_lib.default_remat(80, "tpu")
+    unset = RLConfig()
+    assert unset.remat is None
+    assert step_lib.ForwardOptions.of(unset, 30, "cpu").remat
+    assert not step_lib.ForwardOptions.of(unset, 30, "tpu").remat
+    assert not step_lib.ForwardOptions.of(RLConfig(remat=False), 30, "cpu").remat
+    assert step_lib.ForwardOptions.of(RLConfig(remat=True), 2, "tpu").remat
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])

@@ -92,6 +92,43 @@ def test_weighted_micro_batches_equal_one_batch(tiny, aggregation):
     assert float(optax_norm(whole["grads"])) > 0
 
 
+def test_on_policy_gradient_equals_the_recomputed_one_and_measures_the_sampler_gap(tiny):
+    """`on_policy`: old log-probs are the current ones without gradient. The same loss and
+    gradient as a recompute gives, the ratio exactly 1; `engine_gap` is the token mean of
+    |engine log-prob - the trainer's| (hand-checked against the recompute)."""
+    _, graphdef, params = tiny
+    algorithm = AlgorithmConfig()
+    batch = _batch()
+    mask = np.asarray(batch.response_mask_BxT)
+    old = step_lib.logprob_program(graphdef, params, batch, temperature=1.0)[0]
+    adv = jnp.asarray(np.where(mask, np.asarray([0.5, -1.0, 2.0, -0.3], np.float32)[:, None], 0))
+    weights = jnp.asarray(mask / mask.sum(), jnp.float32)
+    engine = jnp.where(mask, old + 0.01 * jnp.arange(mask.shape[1]), 0.0)
+    out = {}
+    for on_policy in (False, True):
+        inputs = step_lib.LossInputs(
+            jnp.zeros(mask.shape) if on_policy else old,
+            jnp.zeros(mask.shape),
+            adv,
+            weights,
+            weights,
+            engine,
+        )
+        out[on_policy] = step_lib.grad_program(
+            graphdef, params, step_lib.zero_accumulator(params), batch, inputs,
+            algorithm=algorithm, temperature=1.0, on_policy=on_policy)  # fmt: skip
+    # (the ratio is 1; its token mean is a weighted sum, 1 up to rounding)
+    assert float(out[True]["ratio_mean"]) == pytest.approx(1.0, abs=1e-6)
+    assert float(out[True]["clip_fraction"]) == 0.0
+    assert float(out[True]["loss"]) == pytest.approx(float(out[False]["loss"]), abs=1e-6)
+    for a, b in zip(jax.tree.leaves(out[True]["grads"]), jax.tree.leaves(out[False]["grads"]),
+                    strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    expected = np.sum(np.abs(np.asarray(engine - old)) * mask) / mask.sum()
+    for on_policy in (False, True):
+        assert float(out[on_policy]["engine_gap"]) == pytest.approx(expected, rel=1e-4)
+
+
 def optax_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
@@ -242,18 +279,29 @@ def test_trainer_steps_update_sync_and_feed_the_sink(tmp_path):
 
 def test_packed_and_padded_updates_agree_in_the_trainer(tmp_path):
     # Plain rollouts of the tiny run are deterministic, so both layouts see the same
-    # responses; the update must give the same loss, gradient norm and weights.
-    records, params = {}, {}
+    # responses; the update must give the same loss, gradient norm and weights. The padded
+    # side also recomputes the old log-probs first (`rl.recompute_logprobs`), the packed one
+    # takes them on-policy inside its gradient program (the default for one mini-batch).
+    records, params, programs = {}, {}, {}
     for layout in ("padded", "packed"):
-        config = tiny_config(total_steps=1, **{"rl.update_layout": layout})
+        overrides = {"rl.update_layout": layout}
+        if layout == "padded":
+            overrides["rl.recompute_logprobs"] = True
+        config = tiny_config(total_steps=1, **overrides)
         trainer = Trainer(config, tmp_path / layout, progress=False)
         records[layout] = trainer.run_step(next(trainer.iterator))
         params[layout] = jax.tree.map(np.asarray, trainer.state.params)
+        programs[layout] = {c.key[0] for c in trainer.pool.compiled}
         trainer.close()
     padded, packed = records["padded"], records["packed"]
+    assert "logprob" in programs["padded"] and "logprob" not in programs["packed"]
     assert padded["response_lengths"] == packed["response_lengths"]
     for key in ("loss", "pg_loss", "grad_norm", "entropy", "ratio_mean"):
         assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
+    # On-policy, the ratio is 1 by construction; the sampler's log-probs are still compared.
+    assert packed["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert packed["clip_fraction"] == 0.0 and packed["approx_kl_old"] == pytest.approx(0.0)
+    assert 0 < packed["logprob_diff"] < 1e-4 and padded["logprob_diff"] < 1e-4
     for a, b in zip(jax.tree.leaves(params["padded"]), jax.tree.leaves(params["packed"]),
                     strict=True):  # fmt: skip
         np.testing.assert_allclose(a, b, atol=2e-5)

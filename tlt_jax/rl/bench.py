@@ -86,43 +86,58 @@ def _update_s_per_token(records: list[dict]) -> float:
 def bench_update_layouts(
     config: Any, *, steps: int = 2, warmup: int = 1, layouts: tuple[str, ...] = ("padded", "packed")
 ) -> dict[str, Any]:
-    """The same RL steps in each `rl.update_layout`, side by side in one process.
+    """`bench_update_sides` with one side per `rl.update_layout` (named after the layout)."""
+    out = bench_update_sides(config, steps=steps, warmup=warmup,
+                             sides=tuple((x, {"update_layout": x}) for x in layouts))  # fmt: skip
+    out["layouts"] = out.pop("sides")
+    return out
 
-    One trainer per layout, same seeds and prompts; every step runs in all of them, the
-    order rotating step by step. Rollouts are plain (`spec.mode=off`): the layout changes
-    nothing there, and TLT's bandit picks arms by wall-clock time, so SD would draw other
-    samples on each side. The first step's rollouts are then identical (same weights, same
-    request seeds; checked in `first_step_identical`), later ones differ only through the
-    layouts' float rounding in the update.
+
+def bench_update_sides(config: Any, *, sides: tuple[tuple[str, dict[str, Any]], ...],
+                       steps: int = 2, warmup: int = 1) -> dict[str, Any]:  # fmt: skip
+    """The same RL steps under several `rl` settings (e.g. update layouts, remat on and off),
+    side by side in one process.
+
+    One trainer per side (`(name, rl overrides)`), same seeds and prompts; every step runs in
+    all of them, the order rotating step by step. Rollouts are plain (`spec.mode=off`): the
+    update's settings change nothing there, and TLT's bandit picks arms by wall-clock time, so
+    SD would draw other samples on each side. The first step's rollouts are then identical
+    (same weights, same request seeds; checked in `first_step_identical`), later ones differ
+    only through the sides' float rounding in the update.
 
     Returns:
-      Per layout the mean step and phase seconds, `update_padding_share`,
-      `update_s_per_real_token` and the per-step records; `ratios` of the first layout's
+      Per side the mean step and phase seconds, `update_padding_share`,
+      `update_s_per_real_token` and the per-step records; `ratios` of the first side's
       seconds over each other's (update, logprob, step) with their min/max over steps.
     """
     base = config if isinstance(config, TrainConfig) else TrainConfig.from_config_dict(config)
-    records: dict[str, list[dict]] = {name: [] for name in layouts}
-    with tempfile.TemporaryDirectory(prefix="bench_layouts_") as root:
+    names = tuple(name for name, _ in sides)
+    if len(set(names)) != len(names) or len(names) < 2:
+        raise ValueError(f"sides {list(names)}: expected two or more distinct names")
+    records: dict[str, list[dict]] = {name: [] for name in names}
+    spec = dataclasses.replace(base.spec, mode="off")
+    # Every side's config is checked before the first trainer loads anything.
+    configs = {name: dataclasses.replace(base, rl=dataclasses.replace(base.rl, **overrides),
+                                         spec=spec) for name, overrides in sides}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench_update_") as root:
         trainers = {}
         try:
-            for name in layouts:
-                rl = dataclasses.replace(base.rl, update_layout=name)
-                spec = dataclasses.replace(base.spec, mode="off")
-                cfg = dataclasses.replace(base, rl=rl, spec=spec)
-                trainers[name] = Trainer(cfg, f"{root}/{name}", progress=False)
+            for name, cfg in configs.items():
+                trainers[name] = Trainer(cfg, f"{root}/{len(trainers)}", progress=False)
                 trainers[name].precompile()
             for i in range(warmup + steps):
-                examples = next(trainers[layouts[0]].iterator)
-                for name in layouts[1:]:
+                examples = next(trainers[names[0]].iterator)
+                for name in names[1:]:
                     next(trainers[name].iterator)
-                order = layouts[i % len(layouts) :] + layouts[: i % len(layouts)]
+                order = names[i % len(names) :] + names[: i % len(names)]
                 for name in order:
                     records[name].append(trainers[name].run_step(examples))
         finally:
             for trainer in trainers.values():
                 trainer.close()
     first_lengths = [recs[0]["response_lengths"] for recs in records.values()]
-    out: dict[str, Any] = {"config": base.to_dict(), "layouts": list(layouts),
+    out: dict[str, Any] = {"config": base.to_dict(), "sides": list(names),
+                           "overrides": {name: dict(o) for name, o in sides},
                            "steps_measured": steps, "warmup_steps": warmup,
                            "first_step_identical": all(x == first_lengths[0]
                                                        for x in first_lengths)}  # fmt: skip
@@ -138,12 +153,12 @@ def bench_update_layouts(
             "micro_batches_trained": _mean(measured, "micro_batches_trained"),
             "per_step": [{k: v for k, v in r.items() if k != "response_lengths"} for r in recs],
         }
-    first = records[layouts[0]][warmup:]
+    first = records[names[0]][warmup:]
     out["ratios"] = {}
-    for name in layouts[1:]:
+    for name in names[1:]:
         for k in keys:
             per_step = [a[k] / b[k] for a, b in zip(first, records[name][warmup:], strict=True)]
-            out["ratios"][f"{k}_{layouts[0]}_over_{name}"] = {
+            out["ratios"][f"{k}_{names[0]}_over_{name}"] = {
                 "mean": sum(a[k] for a in first) / sum(b[k] for b in records[name][warmup:]),
                 "min": min(per_step), "max": max(per_step),
             }  # fmt: skip

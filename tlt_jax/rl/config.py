@@ -171,10 +171,17 @@ class RLConfig:
         (`micro_batch_size` sequences, each padded to the micro-batch's longest response).
       algorithm: advantage estimator, loss aggregation, clipping and KL (flat in the group).
       remat: recompute each layer in the backward pass (long responses: activations of one
-        layer instead of all).
+        layer instead of all); None per backend (`step.default_remat`: on for CPU policies of
+        >= 8 layers, where it halves the update's time; off on accelerators).
       attention_chunk: queries per attention block in the train programs (0: all at once);
         no [len, len] scores or mask are then live beyond one block's.
       logits_chunk: positions per LM-head block in the train programs (0: all at once).
+      recompute_logprobs: run the log-prob recompute (a forward over every sequence) before
+        the update, for the importance ratio's old log-probs. None: only when a step has
+        several mini-batches (the later ones are off-policy). With one mini-batch the policy
+        that sampled is the one updated, so the gradient program takes its own log-probs
+        without gradient (ratio exactly 1, the same update) and the step skips that forward;
+        the sampler/trainer mismatch is still measured (`logprob_diff`, in the update).
     """
 
     prompts_per_step: int = 8
@@ -188,9 +195,10 @@ class RLConfig:
     min_length_bucket: int = 16
     update_layout: str = "packed"
     algorithm: AlgorithmConfig = AlgorithmConfig()
-    remat: bool = False
+    remat: bool | None = None
     attention_chunk: int = 0
     logits_chunk: int = 0
+    recompute_logprobs: bool | None = None
 
     def __post_init__(self):
         _positive_int("rl", "prompts_per_step", self.prompts_per_step)
@@ -201,6 +209,20 @@ class RLConfig:
         _positive_int("rl", "min_length_bucket", self.min_length_bucket)
         _positive_int("rl", "attention_chunk", self.attention_chunk, minimum=0)
         _positive_int("rl", "logits_chunk", self.logits_chunk, minimum=0)
+        _require(
+            self.remat is None or isinstance(self.remat, bool),
+            f"rl.remat={self.remat!r} must be true, false or unset (None: per backend)",
+        )
+        _require(
+            self.recompute_logprobs is None or isinstance(self.recompute_logprobs, bool),
+            f"rl.recompute_logprobs={self.recompute_logprobs!r} must be true, false or unset",
+        )
+        _require(
+            self.recompute_logprobs is not False or self.num_minibatches == 1,
+            f"rl.recompute_logprobs=False with rl.num_minibatches={self.num_minibatches}: "
+            "mini-batches after the first are off-policy and need the sampling policy's "
+            "log-probs; expected rl.recompute_logprobs true or unset",
+        )
         _require(self.update_layout in UPDATE_LAYOUTS,
                  f"rl.update_layout={self.update_layout!r} is not one of "
                  f"{list(UPDATE_LAYOUTS)}")  # fmt: skip
@@ -226,6 +248,13 @@ class RLConfig:
     @property
     def batch_size(self) -> int:
         return self.prompts_per_step * self.group_size
+
+    @property
+    def on_policy_update(self) -> bool:
+        """Whether the update takes the old log-probs as its own (no recompute before it)."""
+        if self.recompute_logprobs is None:
+            return self.num_minibatches == 1
+        return not self.recompute_logprobs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,14 @@ class MicroBatch:
             out[row, col : col + n] = per_response[b]
         return out
 
+    def token_values(self, per_response_tokens: Sequence[Sequence[float]]) -> np.ndarray:
+        """float32 [rows, cols]: each response's per-token values (indexed by response id,
+        one value per token) on its tokens, 0 elsewhere."""
+        out = np.zeros(self.shape, np.float32)
+        for b, row, col, n in self.spans:
+            out[row, col : col + n] = np.asarray(per_response_tokens[b], np.float32)[:n]
+        return out
+
     def per_response(self, values) -> list[np.ndarray]:
         """A [rows, cols] per-token array cut back into one array per response (spans order)."""
         values = np.asarray(values)

@@ -300,13 +300,14 @@ def lower_grad_program(config: TrainConfig, plan: RunPlan, *, prompt_len: int,
         batch = step_lib.SequenceBatch(spec((p, prompt_len), jnp.int32), spec((p,), jnp.int32),
                                        spec((rows, cols), jnp.int32),
                                        spec((rows, cols), jnp.bool_))  # fmt: skip
-    inputs = step_lib.LossInputs(*[spec((rows, cols), jnp.float32)] * 5)
+    inputs = step_lib.LossInputs(*[spec((rows, cols), jnp.float32)] * 6)
     accum = {name: spec((), jnp.float32) for name in step_lib.ACCUMULATED_METRICS}
     accum["grads"] = params
     graphdef, _ = abstract_state(plan.model)
     fn = step_lib.partial_program(step_lib.grad_program, graphdef, algorithm=rl.algorithm,
                                   temperature=float(config.rollout.temperature),
-                                  options=step_lib.ForwardOptions.of(rl))  # fmt: skip
+                                  options=step_lib.ForwardOptions.of(
+                                      rl, plan.model.num_layers, platform))  # fmt: skip
     with sharding_lib.use_sharding(mesh, sharding_lib.rules_for("train")):
         traced = jax.jit(fn, donate_argnums=(1,)).trace(params, accum, batch, inputs)
         return traced.lower(lowering_platforms=(platform,))

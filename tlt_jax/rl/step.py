@@ -26,7 +26,9 @@ Programs are pure and compiled ahead of time per padded shape (`ProgramPool`):
 - `logprob_program(params, batch) -> (logprobs, features)` (per-token log-probs in the
   batch's layout, zero off responses; the final-norm features for the drafter's buffer).
 - `grad_program(params, accum, batch, inputs, ...) -> accum` adds one micro-batch's weighted
-  loss gradient into the accumulator (donated).
+  loss gradient into the accumulator (donated); `on_policy` (a step of one mini-batch, the
+  default) takes the old log-probs as the current ones without gradient, so the step needs
+  no log-prob recompute.
 - `apply_program(state, accum) -> (state, metrics)` takes one AdamW step (state and
   accumulator donated), or keeps the state unchanged when the loss or gradient is not finite.
 """
@@ -53,7 +55,8 @@ from tlt_jax.rl.config import RLConfig
 
 # Weighted sums kept in the gradient accumulator besides the gradients themselves.
 ACCUMULATED_METRICS = (
-    "loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "approx_kl_old", "weight",
+    "loss", "pg_loss", "kl", "entropy", "clip_fraction", "ratio_mean", "approx_kl_old",
+    "engine_gap", "weight",
 )  # fmt: skip
 
 
@@ -94,11 +97,14 @@ class LossInputs:
     """Per-token inputs of the policy loss, in the layout of the batch's log-probs
     (`[B, T]` padded, `[R, L]` packed); 0 wherever there is no response token."""
 
-    old_logprobs: Any  # float32, log-probs under the policy that sampled (recomputed)
+    old_logprobs: Any  # float32, log-probs under the policy that sampled (recomputed; unused
+    # by an `on_policy` program, which takes the current ones without gradient)
     ref_logprobs: Any  # float32, reference-policy log-probs (zeros when kl_coef == 0)
     advantages: Any  # float32, the token's sequence advantage
     loss_weights: Any  # float32, the token's aggregation weight over its mini-batch
     metric_weights: Any  # float32, 1 / the mini-batch's real tokens (token-mean metrics)
+    engine_logprobs: Any = None  # float32, the rollout engine's log-probs of its tokens (the
+    # `engine_gap` metric: how far the trainer's forward is from the sampler's); None: no gap
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -144,11 +150,35 @@ class ForwardOptions:
     logits_chunk: int = 0
 
     @classmethod
-    def of(cls, rl: RLConfig) -> ForwardOptions:
-        return cls(rl.remat, rl.attention_chunk, rl.logits_chunk)
+    def of(cls, rl: RLConfig, num_layers: int, platform: str | None = None) -> ForwardOptions:
+        """The options of `rl` for a policy of `num_layers` layers on `platform` (default: the
+        default backend); `rl.remat=None` resolves per backend (`default_remat`)."""
+        remat = rl.remat
+        if remat is None:
+            remat = default_remat(num_layers, platform or jax.default_backend())
+        return cls(remat, rl.attention_chunk, rl.logits_chunk)
 
     def model_kwargs(self) -> dict:
         return {"remat": self.remat, "query_chunk": self.attention_chunk}
+
+
+# Policies this deep recompute their layers in the backward pass by default on CPU.
+REMAT_MIN_LAYERS = 8
+
+
+def default_remat(num_layers: int, platform: str) -> bool:
+    """Whether the train programs recompute each layer in the backward pass when `rl.remat`
+    is unset: on CPU for policies of >= `REMAT_MIN_LAYERS` layers, elsewhere not.
+
+    On XLA:CPU the price of storing every layer's activations is not memory but time: each
+    execution allocates its temporaries afresh (glibc maps big blocks anew and returns them on
+    free), and the kernel zeroes every page on first touch. SmolLM2's gradient program of a
+    13 x 320 packed micro-batch keeps 13.7 GB of temporaries and spent 55 of its 55 s on 2 cores
+    in the kernel; with remat it keeps 4.0 GB and took 27-32 s, a third more flops included
+    (BENCHMARKS.md, "Layer remat in the update"). Accelerators keep their memory pooled, so
+    there remat is only the memory-for-flops trade a config chooses (the big presets set it).
+    """
+    return platform == "cpu" and num_layers >= REMAT_MIN_LAYERS
 
 
 def token_stats(model, predicting_BxTxD: jax.Array, tokens_BxT: jax.Array, temperature: float,
@@ -269,31 +299,46 @@ def logprob_program(graphdef, params, batch: SequenceBatch | PackedBatch, *,
 
 def _micro_batch_loss(params, graphdef, batch, inputs: LossInputs, *,
                       algorithm: algorithms.AlgorithmConfig, temperature: float,
-                      options: ForwardOptions):  # fmt: skip
+                      options: ForwardOptions, on_policy: bool):  # fmt: skip
     model = nnx.merge(graphdef, params)
     logprobs, entropy, _ = _forward(model, batch, temperature, options, entropy=True)
     mask = response_mask(batch)
     # Weights are 0 off responses already; the mask also guards against a host mistake.
     loss_weights = jnp.where(mask, inputs.loss_weights, 0.0)
     metric_weights = jnp.where(mask, inputs.metric_weights, 0.0)
+    current = jax.lax.stop_gradient(logprobs)
+    # On-policy, the policy that sampled is the one being differentiated: its log-probs are
+    # these, so the ratio is exactly 1 (a recompute would give 1 up to float rounding).
+    old_logprobs = current if on_policy else inputs.old_logprobs
     loss, metrics = algorithms.weighted_policy_loss(
-        logprobs, inputs.old_logprobs, inputs.advantages, loss_weights, metric_weights,
+        logprobs, old_logprobs, inputs.advantages, loss_weights, metric_weights,
         epsilon=algorithm.epsilon, epsilon_high=algorithm.epsilon_high,
         ref_logprobs=inputs.ref_logprobs if algorithm.kl_coef else None,
         kl_coef=algorithm.kl_coef, kl_estimator=algorithm.kl_estimator,
     )  # fmt: skip
+    gap = jnp.zeros((), jnp.float32)
+    if inputs.engine_logprobs is not None:
+        gap = jnp.sum(jnp.where(mask, jnp.abs(inputs.engine_logprobs - current), 0.0)
+                      * metric_weights)  # fmt: skip
     metrics = dict(metrics, entropy=jnp.sum(jnp.where(mask, entropy, 0.0) * metric_weights),
-                   loss=jax.lax.stop_gradient(loss))  # fmt: skip
+                   loss=jax.lax.stop_gradient(loss), engine_gap=gap)  # fmt: skip
     return loss, metrics
 
 
 def grad_program(graphdef, params, accum: dict, batch, inputs: LossInputs, *,
                  algorithm: algorithms.AlgorithmConfig, temperature: float,
-                 options: ForwardOptions = ForwardOptions()) -> dict:  # fmt: skip
-    """Adds one micro-batch's weighted loss gradient (and weighted metrics) into `accum`."""
+                 options: ForwardOptions = ForwardOptions(), on_policy: bool = False
+                 ) -> dict:  # fmt: skip
+    """Adds one micro-batch's weighted loss gradient (and weighted metrics) into `accum`.
+
+    `on_policy`: `params` are the weights that sampled the batch (a step's only mini-batch),
+    so the importance ratio is computed against the current log-probs without gradient
+    instead of `inputs.old_logprobs`, and no log-prob recompute is needed before the update.
+    """
     grad_fn = jax.grad(_micro_batch_loss, has_aux=True)
     grads, metrics = grad_fn(params, graphdef, batch, inputs, algorithm=algorithm,
-                             temperature=temperature, options=options)  # fmt: skip
+                             temperature=temperature, options=options,
+                             on_policy=on_policy)  # fmt: skip
     out = {"grads": jax.tree.map(lambda a, g: a + g.astype(a.dtype), accum["grads"], grads)}
     for name in ACCUMULATED_METRICS:
         out[name] = accum[name] + metrics[name]

@@ -210,8 +210,10 @@ class Trainer:
             return jax.device_put(tree)
         return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
 
-    def _programs(self, batch: step_lib.SequenceBatch | step_lib.PackedBatch):
-        """(logprob, grad) programs for this batch's layout and shape, compiled on first use."""
+    def _programs(self, batch: step_lib.SequenceBatch | step_lib.PackedBatch, *,
+                  logprob: bool = True):  # fmt: skip
+        """(logprob, grad) programs for this batch's layout and shape, compiled on first use
+        (the logprob one None unless `logprob`)."""
         cfg = self.config
         rows, cols = step_lib.response_mask(batch).shape
         if isinstance(batch, step_lib.PackedBatch):
@@ -224,23 +226,32 @@ class Trainer:
         # Laid out as `_put` places them (the host-built loss inputs arrive replicated).
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         per_token = jax.ShapeDtypeStruct((rows, cols), jnp.float32, sharding=replicated)
-        options = step_lib.ForwardOptions.of(cfg.rl)
-        logprob = self.pool.get(
-            ("logprob", *shape),
-            step_lib.partial_program(step_lib.logprob_program, self.graphdef,
-                                     temperature=temperature, options=options),
-            lambda: (params, batch_spec),
-        )  # fmt: skip
+        options = step_lib.ForwardOptions.of(cfg.rl, self.engine.model_config.num_layers)
+        logprob_program = None
+        if logprob:
+            logprob_program = self.pool.get(
+                ("logprob", *shape),
+                step_lib.partial_program(step_lib.logprob_program, self.graphdef,
+                                         temperature=temperature, options=options),
+                lambda: (params, batch_spec),
+            )  # fmt: skip
         grad = self.pool.get(
             ("grad", *shape),
             step_lib.partial_program(step_lib.grad_program, self.graphdef,
                                      algorithm=cfg.rl.algorithm, temperature=temperature,
-                                     options=options),
+                                     options=options, on_policy=cfg.rl.on_policy_update),
             lambda: (params, step_lib.abstract_accumulator(self.state.params), batch_spec,
-                     step_lib.LossInputs(*[per_token] * 5)),
+                     step_lib.LossInputs(*[per_token] * 6)),
             donate=(1,),
         )  # fmt: skip
-        return logprob, grad
+        return logprob_program, grad
+
+    @property
+    def _forward_before_update(self) -> bool:
+        """Whether a step runs the log-prob program before its update: for the old log-probs
+        (`rl.recompute_logprobs`), the reference policy's, or the drafter sinks' features."""
+        return (not self.config.rl.on_policy_update or bool(self.sinks)
+                or self.reference_params is not None)  # fmt: skip
 
     def _zero_accumulator(self) -> dict:
         zeros = self.pool.get(("zeros",), step_lib.zero_accumulator,
@@ -280,7 +291,7 @@ class Trainer:
                 prompts, responses, cfg.rl.group_size, min_bucket=cfg.rl.min_length_bucket,
                 max_prompt=cfg.rollout.max_prompt_len, max_response=cfg.rollout.max_new_tokens,
             )  # fmt: skip
-        self._programs(self._put(batch))
+        self._programs(self._put(batch), logprob=self._forward_before_update)
         self._apply_program()
         self.rollouts.precompile_drafter()
         report = [{"program": "/".join(map(str, c.key)), "compile_s": round(c.seconds, 2),
@@ -353,6 +364,8 @@ class Trainer:
         flat = [(i, j) for i, micros in enumerate(micro_plan) for j in range(len(micros))]
         batches, old_logprobs, ref_logprobs = {}, {}, {}
         logprob_diffs = []
+        recompute = not cfg.rl.on_policy_update
+        forward = self._forward_before_update
         with (
             timer.phase("logprob"),
             progress_bar(self.progress, "logprob", len(flat)) as bar,
@@ -363,8 +376,12 @@ class Trainer:
                 if not (needs_all or micro.trained):
                     continue
                 batch = batches[key] = self._put(micro.batch)
+                if not forward:
+                    continue
                 logprob, _ = self._programs(batch)
-                old_logprobs[key], features = logprob(self.state.params, batch)
+                logprobs, features = logprob(self.state.params, batch)
+                if recompute:
+                    old_logprobs[key] = logprobs
                 if self.reference_params is not None:
                     ref_logprobs[key] = logprob(self.reference_params, batch)[0]
                 if self.sinks:
@@ -374,7 +391,8 @@ class Trainer:
             jax.block_until_ready(old_logprobs)
         with timer.phase("update"):
             update = self._update(minibatches, micro_plan, batches, old_logprobs, ref_logprobs,
-                                  advantages, responses)  # fmt: skip
+                                  advantages, responses,
+                                  [c.logprobs for c in completions])  # fmt: skip
         with timer.phase("sync"):
             self.sync_weights()
             # The drafter version trained during this rollout reaches every slice.
@@ -388,6 +406,10 @@ class Trainer:
                 step_lib.logprob_gap(micro.per_response(np.asarray(logprobs)), engine_lp)
             )
 
+        # The sampler's log-probs against the trainer's: from the recompute, or (on-policy)
+        # from the update's forward over the trained micro-batches.
+        engine_gap = update.pop("engine_gap", 0.0)
+        logprob_diff = float(np.mean(logprob_diffs)) if logprob_diffs else engine_gap
         self._after_rollout_s = sum(v for k, v in timer.seconds.items() if k != "rollout")
         compiles_after, compile_s_after = self._compiles()
         lengths = [len(c.token_ids) for c in completions]
@@ -408,7 +430,7 @@ class Trainer:
             "tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0,
             **spot.combine_rollout_stats(rollout_stats, cfg.spot.slices > 1),
             **drafter_metrics,
-            "logprob_diff": float(np.mean(logprob_diffs)) if logprob_diffs else 0.0,
+            "logprob_diff": logprob_diff,
             "reward_errors": scored.num_errors,
             "reward_timeouts": scored.num_timeouts,
             **timer.metrics(),
@@ -425,7 +447,7 @@ class Trainer:
         return self.pool.compile_count + count, self.pool.compile_seconds + seconds
 
     def _update(self, minibatches, micro_plan, batches, old_logprobs, ref_logprobs, advantages,
-                responses) -> dict[str, float]:  # fmt: skip
+                responses, engine_logprobs) -> dict[str, float]:  # fmt: skip
         """Gradient accumulation over micro-batches and one optimizer step per mini-batch.
 
         Each token's loss weight is its aggregation weight over the whole mini-batch (silent
@@ -461,13 +483,13 @@ class Trainer:
                     if (dealt - 1) % group.count != group.index:
                         continue
                     key = (i, j)
-                    ref = ref_logprobs.get(key)
-                    if ref is None:
-                        ref = np.zeros(micro.shape, np.float32)
+                    zeros = np.zeros(micro.shape, np.float32)
                     inputs = self._put(step_lib.LossInputs(
-                        old_logprobs[key], ref, micro.per_token(advantages),
-                        micro.per_token(loss_w), micro.per_token(metric_w)))  # fmt: skip
-                    _, grad = self._programs(batches[key])
+                        old_logprobs.get(key, zeros), ref_logprobs.get(key, zeros),
+                        micro.per_token(advantages), micro.per_token(loss_w),
+                        micro.per_token(metric_w), micro.token_values(engine_logprobs),
+                    ))  # fmt: skip
+                    _, grad = self._programs(batches[key], logprob=False)
                     accum = grad(self.state.params, accum, batches[key], inputs)
                     trained += 1
                     computed += micro.computed
