@@ -173,10 +173,11 @@ def default_remat(num_layers: int, platform: str) -> bool:
     On XLA:CPU the price of storing every layer's activations is not memory but time: each
     execution allocates its temporaries afresh (glibc maps big blocks anew and returns them on
     free), and the kernel zeroes every page on first touch. SmolLM2's gradient program of a
-    13 x 320 packed micro-batch keeps 13.7 GB of temporaries and spent 55 of its 55 s on 2 cores
-    in the kernel; with remat it keeps 4.0 GB and took 27-32 s, a third more flops included
-    (BENCHMARKS.md, "Layer remat in the update"). Accelerators keep their memory pooled, so
-    there remat is only the memory-for-flops trade a config chooses (the big presets set it).
+    13 x 320 packed micro-batch keeps 13.7 GB of temporaries and ran 55 s, about half of its
+    CPU time (55 of ~110 CPU-seconds on 2 cores) in the kernel; with remat it keeps 4.0 GB
+    and took 27-32 s, a third more flops included (BENCHMARKS.md, "The update on CPU").
+    Accelerators keep their memory pooled, so there remat is only the memory-for-flops trade
+    a config chooses (the big presets set it).
     """
     return platform == "cpu" and num_layers >= REMAT_MIN_LAYERS
 
