@@ -45,6 +45,11 @@ def mean_byte_reward(completion: str, answer: str) -> float:
     return sum(data) / (255.0 * max(len(data), 1))
 
 
+def silent_unless_30_reward(completion: str, answer: str) -> float:
+    """`mean_byte_reward` for answer "30", a constant (a silent group) for any other."""
+    return mean_byte_reward(completion, answer) if answer == "30" else 0.5
+
+
 def slow_mean_byte_reward(completion: str, answer: str) -> float:
     """`mean_byte_reward` after a 20 ms pause: keeps a tiny run's steps long enough to be
     killed in the middle (the reward, and so the run, stays deterministic)."""

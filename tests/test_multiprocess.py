@@ -44,7 +44,7 @@ def test_two_processes_run_tlt_in_sync_and_match_one_process(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     two = _records(workdir)
     assert [r["step"] for r in two] == list(range(1, STEPS + 1))  # process 0 wrote them once
-    for r in two:  # after every step both processes hold bit-identical policy and drafter
+    for r in two:  # after every step both processes hold the same policy, drafter and buffer
         assert r["processes_in_sync"] is True and r["spot_slices"] == 2
     assert (workdir / "drafter" / "model.safetensors").is_file()
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "3"]

@@ -352,6 +352,48 @@ def test_sink_features_match_the_policy_forward(tmp_path):
     trainer.close()
 
 
+def test_sink_features_come_from_the_update_and_match_a_forward_over_every_micro_batch(
+        tmp_path):  # fmt: skip
+    # One group with signal (its micro-batch trained: the features come out of the gradient
+    # program) and one silent group (skipped by the update: a forward of its own). The sink
+    # must get what the recompute path's forward over every micro-batch gives, in that order.
+    examples = [{"question": "What is 10 + 20?", "answer": "30"},
+                {"question": "What is 1 + 2?", "answer": "3"}]  # fmt: skip
+    calls, forwards, records = {}, {}, {}
+    for recompute in (True, None):
+        sink = RecordingSink()
+        overrides = {"rl.recompute_logprobs": recompute,
+                     "rl.reward_fn": "rl_testing:silent_unless_30_reward"}  # fmt: skip
+        config = tiny_config(total_steps=1, **overrides)
+        trainer = Trainer(config, tmp_path / str(recompute), feature_sink=sink, progress=False)
+        programs, forwards[recompute] = trainer._programs, []
+
+        def counting(batch, *, logprob=True, programs=programs, seen=forwards[recompute]):
+            forward, grad = programs(batch, logprob=logprob)
+            if forward is None:
+                return forward, grad
+            return (lambda params, b: (seen.append(b), forward(params, b))[1]), grad
+
+        trainer._programs = counting
+        records[recompute] = trainer.run_step(examples)
+        calls[recompute] = sink.calls
+        trainer.close()
+    assert records[None]["groups_with_signal"] == 0.5
+    assert 1 <= records[None]["micro_batches_trained"] < records[None]["micro_batches_total"]
+    # The recompute ran a forward over every micro-batch; on-policy, only the skipped ones.
+    assert len(forwards[True]) == records[True]["micro_batches_total"]
+    assert len(forwards[None]) == (records[None]["micro_batches_total"]
+                                   - records[None]["micro_batches_trained"])  # fmt: skip
+    assert records[None]["loss"] == pytest.approx(records[True]["loss"], rel=1e-5)
+    assert len(calls[None]) == len(calls[True]) == records[None]["micro_batches_total"]
+    for got, want in zip(calls[None], calls[True], strict=True):
+        for a, b in zip(got, want, strict=True):
+            if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+                np.testing.assert_allclose(a, b, atol=2e-5)
+            else:
+                np.testing.assert_array_equal(a, b)
+
+
 def test_non_finite_loss_skips_updates_then_stops_with_checkpoint_intact(tmp_path):
     Trainer(tiny_config(total_steps=1), tmp_path, progress=False).train()
     config = tiny_config(total_steps=6, checkpoint_every=1, **{"rl.max_nonfinite_steps": 2})

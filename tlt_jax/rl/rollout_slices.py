@@ -193,9 +193,11 @@ class RolloutSlices:
                 spot_lib.sync_drafter_across(self.group, step, self.online)
             metrics = spot_lib.publish_drafter(self.online, self.slices)
         if self.group.count > 1:
+            # The drafter's buffer too: whichever process trains next samples from its own.
             metrics["processes_in_sync"] = spot_lib.processes_in_sync(
                 self.group, step, train_params,
-                None if self.online is None else self.online.params(),
+                *(() if self.online is None else (self.online.params(),
+                                                  self.online.buffer.to_arrays())),
             )  # fmt: skip
             if not metrics["processes_in_sync"]:
                 log.error("step %d: the processes' params differ", step)

@@ -264,7 +264,8 @@ def sync_drafter_across(group: ProcessGroup, step: int, online: OnlineDrafter) -
 
 
 def processes_in_sync(group: ProcessGroup, step: int, *trees) -> bool:
-    """Whether every process holds bit-identical `trees` (policy and drafter params)."""
+    """Whether every process holds bit-identical `trees` (policy and drafter params, the
+    drafter's buffer)."""
     digest = hashlib.sha256()
     for leaf in jax.tree.leaves(jax.device_get(trees)):
         digest.update(np.ascontiguousarray(leaf).tobytes())

@@ -28,7 +28,7 @@ Programs are pure and compiled ahead of time per padded shape (`ProgramPool`):
 - `grad_program(params, accum, batch, inputs, ...) -> accum` adds one micro-batch's weighted
   loss gradient into the accumulator (donated); `on_policy` (a step of one mini-batch, the
   default) takes the old log-probs as the current ones without gradient, so the step needs
-  no log-prob recompute.
+  no log-prob recompute; `features` also returns the forward's final-norm features.
 - `apply_program(state, accum) -> (state, metrics)` takes one AdamW step (state and
   accumulator donated), or keeps the state unchanged when the loss or gradient is not finite.
 """
@@ -302,7 +302,7 @@ def _micro_batch_loss(params, graphdef, batch, inputs: LossInputs, *,
                       algorithm: algorithms.AlgorithmConfig, temperature: float,
                       options: ForwardOptions, on_policy: bool):  # fmt: skip
     model = nnx.merge(graphdef, params)
-    logprobs, entropy, _ = _forward(model, batch, temperature, options, entropy=True)
+    logprobs, entropy, features = _forward(model, batch, temperature, options, entropy=True)
     mask = response_mask(batch)
     # Weights are 0 off responses already; the mask also guards against a host mistake.
     loss_weights = jnp.where(mask, inputs.loss_weights, 0.0)
@@ -323,27 +323,32 @@ def _micro_batch_loss(params, graphdef, batch, inputs: LossInputs, *,
                       * metric_weights)  # fmt: skip
     metrics = dict(metrics, entropy=jnp.sum(jnp.where(mask, entropy, 0.0) * metric_weights),
                    loss=jax.lax.stop_gradient(loss), engine_gap=gap)  # fmt: skip
-    return loss, metrics
+    return loss, (metrics, jax.lax.stop_gradient(features))
 
 
 def grad_program(graphdef, params, accum: dict, batch, inputs: LossInputs, *,
                  algorithm: algorithms.AlgorithmConfig, temperature: float,
-                 options: ForwardOptions = ForwardOptions(), on_policy: bool = False
-                 ) -> dict:  # fmt: skip
+                 options: ForwardOptions = ForwardOptions(), on_policy: bool = False,
+                 features: bool = False):  # fmt: skip
     """Adds one micro-batch's weighted loss gradient (and weighted metrics) into `accum`.
 
     `on_policy`: `params` are the weights that sampled the batch (a step's only mini-batch),
     so the importance ratio is computed against the current log-probs without gradient
     instead of `inputs.old_logprobs`, and no log-prob recompute is needed before the update.
+
+    Returns:
+      the new accumulator; with `features`, `(accumulator, features)`: the forward's
+      final-norm features as `logprob_program` returns them (the drafter's training data,
+      so a step that feeds a drafter needs no forward of its own for them).
     """
     grad_fn = jax.grad(_micro_batch_loss, has_aux=True)
-    grads, metrics = grad_fn(params, graphdef, batch, inputs, algorithm=algorithm,
-                             temperature=temperature, options=options,
-                             on_policy=on_policy)  # fmt: skip
+    grads, (metrics, hidden) = grad_fn(params, graphdef, batch, inputs, algorithm=algorithm,
+                                       temperature=temperature, options=options,
+                                       on_policy=on_policy)  # fmt: skip
     out = {"grads": jax.tree.map(lambda a, g: a + g.astype(a.dtype), accum["grads"], grads)}
     for name in ACCUMULATED_METRICS:
         out[name] = accum[name] + metrics[name]
-    return out
+    return (out, hidden) if features else out
 
 
 def zero_accumulator(params) -> dict:

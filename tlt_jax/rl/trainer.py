@@ -6,8 +6,10 @@ its compiled programs, checkpoints and metrics. Every phase of a step is timed o
 work at its end, so later work (speculative rollouts, drafter spot training) can be measured
 against each phase.
 
-The log-prob recompute is the trainer's own forward over every sequence; it also yields the
-policy's final-norm features, which go to an optional `FeatureSink` (the drafter buffer).
+The policy's final-norm features of every sequence go to an optional `FeatureSink` (the
+drafter buffer) from the forward the step runs anyway: the update's own (the gradient program
+returns them) for the micro-batches it trains, the log-prob recompute's where one runs, and a
+forward of their own only for micro-batches the update skips (no group with signal).
 
 Rollouts are TLT's adaptive rollouts when `spec.mode != "off"`: the engine's step policy turns
 speculative decoding on in the long tail and a bandit picks the draft source and strategy per
@@ -19,7 +21,7 @@ most `threshold` requests running (`long_tail_share`).
 Rollouts run over `RolloutSlices` (`tlt_jax.rl.rollout_slices`): one engine by default; with
 `spot.slices > 1` or several `jax.distributed` processes, engine replicas on disjoint devices
 decode at once, and with `spot.enabled` the first idle slice trains the online drafter (the
-features of the log-prob recompute fill its buffer) until the last slice is done; the new
+features of the step's forward fill its buffer) until the last slice is done; the new
 drafter version reaches every slice in the `sync` phase. Across processes completions are
 shared through the coordination service, the update is data-parallel (micro-batches dealt
 round-robin, accumulators all-reduced; every process holds the whole train state), and
@@ -202,6 +204,7 @@ class Trainer:
         self._nonfinite_streak = 0
         self._last_timeline: list = []
         self._after_rollout_s = 0.0
+        self._feature_shape_cache: dict = {}
 
     # -- compilation ---------------------------------------------------------------------------
 
@@ -213,7 +216,8 @@ class Trainer:
     def _programs(self, batch: step_lib.SequenceBatch | step_lib.PackedBatch, *,
                   logprob: bool = True):  # fmt: skip
         """(logprob, grad) programs for this batch's layout and shape, compiled on first use
-        (the logprob one None unless `logprob`)."""
+        (the logprob one None unless `logprob`; the grad one returns features too when
+        `_features_from_update`)."""
         cfg = self.config
         rows, cols = step_lib.response_mask(batch).shape
         if isinstance(batch, step_lib.PackedBatch):
@@ -235,11 +239,13 @@ class Trainer:
                                          temperature=temperature, options=options),
                 lambda: (params, batch_spec),
             )  # fmt: skip
+        features = self._features_from_update
         grad = self.pool.get(
-            ("grad", *shape),
+            ("grad", *shape, *(("features",) if features else ())),
             step_lib.partial_program(step_lib.grad_program, self.graphdef,
                                      algorithm=cfg.rl.algorithm, temperature=temperature,
-                                     options=options, on_policy=cfg.rl.on_policy_update),
+                                     options=options, on_policy=cfg.rl.on_policy_update,
+                                     features=features),
             lambda: (params, step_lib.abstract_accumulator(self.state.params), batch_spec,
                      step_lib.LossInputs(*[per_token] * 6)),
             donate=(1,),
@@ -248,10 +254,15 @@ class Trainer:
 
     @property
     def _forward_before_update(self) -> bool:
-        """Whether a step runs the log-prob program before its update: for the old log-probs
-        (`rl.recompute_logprobs`), the reference policy's, or the drafter sinks' features."""
-        return (not self.config.rl.on_policy_update or bool(self.sinks)
-                or self.reference_params is not None)  # fmt: skip
+        """Whether a step runs the log-prob program over every micro-batch before its update:
+        for the old log-probs (`rl.recompute_logprobs`) or the reference policy's."""
+        return not self.config.rl.on_policy_update or self.reference_params is not None
+
+    @property
+    def _features_from_update(self) -> bool:
+        """Whether the drafter sinks' features of trained micro-batches come out of the
+        gradient program (no forward of their own): when no forward runs before the update."""
+        return bool(self.sinks) and not self._forward_before_update
 
     def _zero_accumulator(self) -> dict:
         zeros = self.pool.get(("zeros",), step_lib.zero_accumulator,
@@ -291,7 +302,8 @@ class Trainer:
                 prompts, responses, cfg.rl.group_size, min_bucket=cfg.rl.min_length_bucket,
                 max_prompt=cfg.rollout.max_prompt_len, max_response=cfg.rollout.max_new_tokens,
             )  # fmt: skip
-        self._programs(self._put(batch), logprob=self._forward_before_update)
+        # With sinks, micro-batches the update skips still need a forward for their features.
+        self._programs(self._put(batch), logprob=self._forward_before_update or bool(self.sinks))
         self._apply_program()
         self.rollouts.precompile_drafter()
         report = [{"program": "/".join(map(str, c.key)), "compile_s": round(c.seconds, 2),
@@ -363,6 +375,7 @@ class Trainer:
         )  # fmt: skip
         flat = [(i, j) for i, micros in enumerate(micro_plan) for j in range(len(micros))]
         batches, old_logprobs, ref_logprobs = {}, {}, {}
+        features: dict[tuple[int, int], Any] = {}  # the sinks', by micro-batch
         logprob_diffs = []
         recompute = not cfg.rl.on_policy_update
         forward = self._forward_before_update
@@ -376,23 +389,28 @@ class Trainer:
                 if not (needs_all or micro.trained):
                     continue
                 batch = batches[key] = self._put(micro.batch)
-                if not forward:
+                # Without a forward before the update, the update's gradient program yields
+                # the features of what it trains; only a skipped micro-batch needs its own.
+                if not (forward or (self.sinks and not self._trains(micro))):
                     continue
                 logprob, _ = self._programs(batch)
-                logprobs, features = logprob(self.state.params, batch)
+                logprobs, features[key] = logprob(self.state.params, batch)
                 if recompute:
                     old_logprobs[key] = logprobs
                 if self.reference_params is not None:
                     ref_logprobs[key] = logprob(self.reference_params, batch)[0]
-                if self.sinks:
-                    tokens, feats, response_mask, valid = micro.sink_rows(features)
-                    for sink in self.sinks:
-                        sink.add(tokens, feats, response_mask, step, valid_mask=valid)
             jax.block_until_ready(old_logprobs)
         with timer.phase("update"):
             update = self._update(minibatches, micro_plan, batches, old_logprobs, ref_logprobs,
-                                  advantages, responses,
-                                  [c.logprobs for c in completions])  # fmt: skip
+                                  advantages, responses, [c.logprobs for c in completions],
+                                  features)  # fmt: skip
+            # In micro-batch order, whichever program computed them (the same order, and on
+            # every process the same values, as a forward over all of them would give).
+            for key in flat if self.sinks else ():
+                tokens, feats, response_mask, valid = micro_plan[key[0]][key[1]].sink_rows(
+                    features[key])  # fmt: skip
+                for sink in self.sinks:
+                    sink.add(tokens, feats, response_mask, step, valid_mask=valid)
         with timer.phase("sync"):
             self.sync_weights()
             # The drafter version trained during this rollout reaches every slice.
@@ -446,9 +464,34 @@ class Trainer:
         count, seconds = self.rollouts.compiles(besides=self.pool)
         return self.pool.compile_count + count, self.pool.compile_seconds + seconds
 
+    def _feature_shapes(self, batch):
+        """The shapes of `logprob_program`'s (and the gradient program's) features of this
+        batch's layout and shape (traced once per shape)."""
+        key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch))
+        if key not in self._feature_shape_cache:
+            fn = step_lib.partial_program(
+                step_lib.logprob_program, self.graphdef,
+                temperature=float(self.config.rollout.temperature),
+                options=step_lib.ForwardOptions.of(self.config.rl,
+                                                   self.engine.model_config.num_layers),
+            )  # fmt: skip
+            self._feature_shape_cache[key] = jax.eval_shape(
+                fn, abstract_like(self.state.params), abstract_like(batch))[1]  # fmt: skip
+        return self._feature_shape_cache[key]
+
+    def _trains(self, micro) -> bool:
+        """Whether the update runs the gradient program on this micro-batch: an all-zero-
+        advantage micro-batch has exactly zero policy gradient (skipped unless a KL term)."""
+        return self.config.rl.algorithm.kl_coef > 0 or micro.trained
+
     def _update(self, minibatches, micro_plan, batches, old_logprobs, ref_logprobs, advantages,
-                responses, engine_logprobs) -> dict[str, float]:  # fmt: skip
+                responses, engine_logprobs, features) -> dict[str, float]:  # fmt: skip
         """Gradient accumulation over micro-batches and one optimizer step per mini-batch.
+
+        With `_features_from_update`, the features of every trained micro-batch go into
+        `features` (by key); a micro-batch another process trained arrives through an
+        all-reduce of the owner's features and zeros (exact), so every process's drafter
+        buffer holds the same rows.
 
         Each token's loss weight is its aggregation weight over the whole mini-batch (silent
         groups count in the denominators even when their micro-batches are skipped), so the
@@ -468,6 +511,8 @@ class Trainer:
         pending = []  # each mini-batch's metrics, read back once every update is dispatched
         trained = computed = needed = 0
         num_micro = sum(len(m) for m in micro_plan)
+        from_update = self._features_from_update
+        mine, others = [], []  # trained micro-batches whose features this process computed / not
         with progress_bar(self.progress, "update", num_micro) as bar:
             for i, (groups, micros) in enumerate(zip(minibatches, micro_plan, strict=True)):
                 loss_w, metric_w = packing.minibatch_weights(
@@ -476,13 +521,14 @@ class Trainer:
                 accum = self._zero_accumulator()
                 for j, micro in enumerate(micros):
                     bar.update(1)
-                    # An all-zero-advantage micro-batch has exactly zero policy gradient.
-                    if not (cfg.rl.algorithm.kl_coef > 0 or micro.trained):
+                    key = (i, j)
+                    if not self._trains(micro):
                         continue
                     dealt += 1
                     if (dealt - 1) % group.count != group.index:
+                        if from_update:  # the owner's features, summed with these zeros
+                            others.append(key)
                         continue
-                    key = (i, j)
                     zeros = np.zeros(micro.shape, np.float32)
                     inputs = self._put(step_lib.LossInputs(
                         old_logprobs.get(key, zeros), ref_logprobs.get(key, zeros),
@@ -491,6 +537,9 @@ class Trainer:
                     ))  # fmt: skip
                     _, grad = self._programs(batches[key], logprob=False)
                     accum = grad(self.state.params, accum, batches[key], inputs)
+                    if from_update:
+                        accum, features[key] = accum
+                        mine.append(key)
                     trained += 1
                     computed += micro.computed
                     needed += micro.needed
@@ -501,6 +550,12 @@ class Trainer:
         # before dispatching the next mini-batch's gradient programs.
         for sums, applied in jax.device_get(pending):
             step_lib.add_minibatch_metrics(totals, sums, applied, len(micro_plan))
+        if from_update and group.count > 1:
+            # The same keys in the same order on every process; each contributes its own.
+            local = {k: features[k] if k in mine else jax.tree.map(
+                lambda x: jnp.zeros(x.shape, x.dtype), self._feature_shapes(batches[k]))
+                for k in sorted(mine + others)}  # fmt: skip
+            features.update(group.allreduce_sum(local))
         if group.count > 1:
             counts = group.allgather(f"update_counts/{self.step_count + 1}",
                                      [trained, computed, needed])  # fmt: skip
