@@ -117,8 +117,9 @@ def run_sd(model, drafter, prompts, strategy, min_tokens, *, sampling=None, seed
         cands = draft(params, dparams, state, hot_token_ids)
         if hot_token_ids is not None:  # every drafted token is a hot one
             assert np.isin(np.asarray(cands.tokens_BxC), hot_token_ids).all()
-        state, emitted, _, counts, new, path = verify(params, layers, dparams, state,
-                                                      tree(cands, state))  # fmt: skip
+        state, emitted, _, counts, new, path = verify(
+            params, layers, dparams, state, tree(cands, state.last_token, state.lengths)
+        )
         state = commit(state, new, path, counts)
         emitted, counts = np.asarray(emitted), np.asarray(counts)
         for i in range(b):
@@ -410,7 +411,8 @@ def test_pallas_attention_matches_xla(aligned):
                                           batch=8, kv_len=KV_LEN, topk=2, depth=3,
                                           attention_impl=impl))  # fmt: skip
         cands = draft(params, dparams, state)
-        tree = _jit(speculative.tree_program, batch=8, verify_tokens=5, depth=3)(cands, state)
+        tree = _jit(speculative.tree_program, batch=8, verify_tokens=5, depth=3)(
+            cands, state.last_token, state.lengths)  # fmt: skip
         verify = jax.jit(functools.partial(speculative.verify_program, graphdef, drafter.config,
                                            batch=8, kv_len=KV_LEN, greedy_only=True,
                                            attention_impl=impl))  # fmt: skip

@@ -29,9 +29,9 @@ from tlt_jax.rollout.sampling import SamplingParams
 SOURCES = ("eagle", "ngram", "hybrid")
 
 
-def _engine(model, drafter=None, batch=8, policy=None, kv_len=KV_LEN):
+def _engine(model, drafter=None, batch=8, policy=None, kv_len=KV_LEN, min_kv_bucket=None):
     config = EngineConfig(max_batch_size=batch, max_prefill_batch=batch, max_seq_len=kv_len,
-                          min_kv_bucket=kv_len)  # fmt: skip
+                          min_kv_bucket=min_kv_bucket or kv_len)  # fmt: skip
     return RolloutEngine(model, config, drafter=drafter, step_policy=policy)
 
 
@@ -61,7 +61,9 @@ def test_adaptive_greedy_rollout_equals_plain(pair, include_plain):
         strategies=(("3,2,6", "5,1,6"), ("3,1,4",), ("2,1,3",)), sources=SOURCES,
         include_plain=include_plain, seed=0, epsilon=0.3,
     ))  # fmt: skip
-    engine = _engine(model, drafter, policy=policy)
+    # Cache buckets of 16, 32 and 64 positions: the SD programs of one batch bucket and
+    # strategy meet several cache lengths as the requests grow.
+    engine = _engine(model, drafter, policy=policy, min_kv_bucket=16)
     for _ in range(2):  # the second rollout also drafts from the first one's responses
         got = engine.generate(_long_tail_requests(prompts))
         for w, g in zip(want, got, strict=True):

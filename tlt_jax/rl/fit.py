@@ -236,7 +236,8 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
     def tree():
         fn = functools.partial(speculative.tree_program, batch=geo.sd_batch,
                                verify_tokens=s.verify_tokens, depth=s.depth)  # fmt: skip
-        return _structs(jax.eval_shape(fn, draft_candidates(), sd_state), mesh, _rows_first)
+        return _structs(jax.eval_shape(fn, draft_candidates(), sd_state.last_token,
+                                       sd_state.lengths), mesh, _rows_first)  # fmt: skip
 
     specs: dict[str, tuple] = {
         "train_grad": None,  # policy.lower_grad_program

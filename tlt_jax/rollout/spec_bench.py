@@ -302,8 +302,8 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
     candidates = draft(params, dparams, state, hot)
     tree_fn = jax.jit(functools.partial(speculative.tree_program, batch=1, verify_tokens=t,
                                         depth=depth))  # fmt: skip
-    out["tree_ms"] = best_ms(tree_fn, candidates, state, iters=iters)
-    tree = tree_fn(candidates, state)
+    out["tree_ms"] = best_ms(tree_fn, candidates, state.last_token, state.lengths, iters=iters)
+    tree = tree_fn(candidates, state.last_token, state.lengths)
     verify = jax.jit(
         functools.partial(
             speculative.verify_program, graphdef, dconfig, batch=1, kv_len=kv_len, greedy_only=True

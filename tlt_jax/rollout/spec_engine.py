@@ -220,8 +220,8 @@ class SpecRunner:
         key = ("spec_draft", b, k, d, s, None if hot is None else hot.shape[0])
         candidates = self._program(key, draft_fn, *args)(*args)
         tree_fn = functools.partial(speculative.tree_program, batch=b, verify_tokens=t, depth=d)
-        return self._program(("spec_tree", b, k, d, t), tree_fn, candidates, state)(
-            candidates, state)  # fmt: skip
+        args = (candidates, state.last_token, state.lengths)
+        return self._program(("spec_tree", b, k, d, t), tree_fn, *args)(*args)
 
     def _rows(self, running: list, b: int):
         ids = [r.index for r in running]

@@ -226,10 +226,11 @@ def draft_program(graphdef, drafter_config: ModelConfig, params, drafter_params,
     )  # fmt: skip
 
 
-def tree_program(candidates: Candidates, state, *, batch: int, verify_tokens: int,
+def tree_program(candidates: Candidates, last_token, lengths, *, batch: int, verify_tokens: int,
                  depth: int) -> DraftTree:  # fmt: skip
-    """The verification tree of the first `batch` slots."""
-    return build_tree(candidates, state.last_token[:batch], state.lengths[:batch],
+    """The verification tree of the first `batch` slots (`last_token`, `lengths`: the decode
+    state's; only those, so the program does not depend on the cache's length bucket)."""
+    return build_tree(candidates, last_token[:batch], lengths[:batch],
                       verify_tokens=verify_tokens, max_depth=depth)  # fmt: skip
 
 
