@@ -274,6 +274,7 @@ class AdaptivePolicy:
         self._tried: dict[tuple[int, str], int] = {}  # the bucket step an arm last ran at
         self.sd_on = False
         self._under = 0
+        self._draws: tuple[float, float] | None = None  # (explore?, which arm), drawn ahead
         # This rollout's choices: (engine batch bucket, arm name) -> steps.
         self.counts: dict[tuple[int, str], int] = {}
 
@@ -295,44 +296,60 @@ class AdaptivePolicy:
         return self.config.bucket_arms(self.config.beg_bucket(size))
 
     def may_speculate(self, num_running: int) -> bool:
-        # A step in flight only retires requests: a batch over the threshold stays plain.
-        return num_running <= self.config.threshold
+        # Exact, so a plain step in flight is read early only before an SD step: the engine
+        # keeps dispatching plain steps ahead of their reads wherever the bandit picks plain.
+        return self._plan(num_running)[0] is not None
 
     def choose(self, num_running: int) -> StepChoice | None:
-        cfg = self.config
-        if num_running > cfg.threshold:
-            self.sd_on, self._under = False, 0
-            return None
-        self._under += 1
-        if self._under > cfg.warmup_steps:  # N steps at or under the threshold ran plain
-            self.sd_on = True
+        choice, self._under, self.sd_on, drew = self._plan(num_running)
+        if drew:
+            self._draws = None
         if not self.sd_on:
             return None
-        arms = self.arms_for(num_running)
         key = engine_bucket(num_running)
-        windows = [self._rewards.get((key, arm_name(a))) for a in arms]
-        untried = [a for a, w in zip(arms, windows, strict=True) if not w]
         step = self._steps.get(key, 0)
-        if untried:
-            choice = untried[0]
-        else:
-            medians = [float(np.median(w)) for w in windows]
-            best = int(np.argmax(medians))
-            choice = arms[best]
-            if len(arms) > 1 and self._rng.random() < self.epsilon_at(key):
-                # Explore uniformly among the arms that could still win: an arm whose best
-                # recorded reward is below the leader's median is retried once per `window`
-                # steps of the bucket only (a drafter that improves gets its chance back).
-                open_arms = [a for a, w in zip(arms, windows, strict=True)
-                             if max(w) >= medians[best] or step - self._tried.get(
-                                 (key, arm_name(a)), -cfg.window) >= cfg.window]  # fmt: skip
-                if open_arms:
-                    choice = open_arms[int(self._rng.integers(len(open_arms)))]
         name = (key, arm_name(choice))
         self.counts[name] = self.counts.get(name, 0) + 1
         self._tried[name] = step
         self._steps[key] = step + 1
         return choice
+
+    def _plan(self, num_running: int) -> tuple[StepChoice | None, int, bool, bool]:
+        """(choice, consecutive steps under the threshold, SD mode, whether the choice used
+        the pending random draws) that `choose(num_running)` makes now; no side effects but
+        drawing the next random numbers, which stay pending until a choice uses them."""
+        cfg = self.config
+        if num_running > cfg.threshold:
+            return None, 0, False, False
+        under = self._under + 1
+        sd_on = self.sd_on or under > cfg.warmup_steps  # N steps under the threshold ran plain
+        if not sd_on:
+            return None, under, sd_on, False
+        arms = self.arms_for(num_running)
+        key = engine_bucket(num_running)
+        windows = [self._rewards.get((key, arm_name(a))) for a in arms]
+        untried = [a for a, w in zip(arms, windows, strict=True) if not w]
+        if untried:
+            return untried[0], under, sd_on, False
+        medians = [float(np.median(w)) for w in windows]
+        best = int(np.argmax(medians))
+        choice = arms[best]
+        if len(arms) == 1:
+            return choice, under, sd_on, False
+        if self._draws is None:
+            self._draws = tuple(float(u) for u in self._rng.random(2))
+        explore, pick = self._draws
+        if explore < self.epsilon_at(key):
+            # Explore uniformly among the arms that could still win: an arm whose best
+            # recorded reward is below the leader's median is retried once per `window`
+            # steps of the bucket only (a drafter that improves gets its chance back).
+            step = self._steps.get(key, 0)
+            open_arms = [a for a, w in zip(arms, windows, strict=True)
+                         if max(w) >= medians[best] or step - self._tried.get(
+                             (key, arm_name(a)), -cfg.window) >= cfg.window]  # fmt: skip
+            if open_arms:
+                choice = open_arms[min(int(pick * len(open_arms)), len(open_arms) - 1)]
+        return choice, under, sd_on, True
 
     def epsilon_at(self, bucket: int) -> float:
         """The exploration probability of engine bucket `bucket` now."""
@@ -368,6 +385,7 @@ class AdaptivePolicy:
             "steps": [[b, n] for b, n in sorted(self._steps.items())],
             "tried": [[b, a, n] for (b, a), n in sorted(self._tried.items())],
             "rng": self._rng.bit_generator.state,
+            "draws": None if self._draws is None else list(self._draws),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -380,3 +398,5 @@ class AdaptivePolicy:
         self._steps = {int(b): int(n) for b, n in state.get("steps", [])}
         self._tried = {(int(b), str(a)): int(n) for b, a, n in state.get("tried", [])}
         self._rng.bit_generator.state = state["rng"]
+        draws = state.get("draws")
+        self._draws = None if draws is None else (float(draws[0]), float(draws[1]))
