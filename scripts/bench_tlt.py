@@ -26,7 +26,7 @@ flags.DEFINE_string("output_json", None, "Where to write the results.", required
 flags.DEFINE_integer("steps", 2, "Measured RL steps per side.")
 flags.DEFINE_integer("warmup", 1, "RL steps per side run first and not measured.")
 flags.DEFINE_list("batch_multipliers", ["1", "2"], "Prompts per step times these.")
-flags.DEFINE_integer("greedy_repeats", 1, "Timed greedy rollouts per side.")
+flags.DEFINE_integer("greedy_repeats", 3, "Timed greedy rollouts per side (alternating).")
 
 
 def main(argv):
