@@ -399,7 +399,7 @@ class Trainer:
                     old_logprobs[key] = logprobs
                 if self.reference_params is not None:
                     ref_logprobs[key] = logprob(self.reference_params, batch)[0]
-            jax.block_until_ready(old_logprobs)
+            jax.block_until_ready((old_logprobs, ref_logprobs, features))
         with timer.phase("update"):
             update = self._update(minibatches, micro_plan, batches, old_logprobs, ref_logprobs,
                                   advantages, responses, [c.logprobs for c in completions],
