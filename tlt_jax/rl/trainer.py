@@ -230,15 +230,11 @@ class Trainer:
         # Laid out as `_put` places them (the host-built loss inputs arrive replicated).
         replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
         per_token = jax.ShapeDtypeStruct((rows, cols), jnp.float32, sharding=replicated)
-        options = step_lib.ForwardOptions.of(cfg.rl, self.engine.model_config.num_layers)
+        options = self._forward_options
         logprob_program = None
         if logprob:
-            logprob_program = self.pool.get(
-                ("logprob", *shape),
-                step_lib.partial_program(step_lib.logprob_program, self.graphdef,
-                                         temperature=temperature, options=options),
-                lambda: (params, batch_spec),
-            )  # fmt: skip
+            logprob_program = self.pool.get(("logprob", *shape), self._logprob_fn(),
+                                            lambda: (params, batch_spec))  # fmt: skip
         features = self._features_from_update
         grad = self.pool.get(
             ("grad", *shape, *(("features",) if features else ())),
@@ -251,6 +247,16 @@ class Trainer:
             donate=(1,),
         )  # fmt: skip
         return logprob_program, grad
+
+    @property
+    def _forward_options(self) -> step_lib.ForwardOptions:
+        return step_lib.ForwardOptions.of(self.config.rl, self.engine.model_config.num_layers)
+
+    def _logprob_fn(self):
+        """`logprob_program` with this run's graph, temperature and forward options bound."""
+        return step_lib.partial_program(step_lib.logprob_program, self.graphdef,
+                                        temperature=float(self.config.rollout.temperature),
+                                        options=self._forward_options)  # fmt: skip
 
     @property
     def _forward_before_update(self) -> bool:
@@ -469,14 +475,8 @@ class Trainer:
         batch's layout and shape (traced once per shape)."""
         key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch))
         if key not in self._feature_shape_cache:
-            fn = step_lib.partial_program(
-                step_lib.logprob_program, self.graphdef,
-                temperature=float(self.config.rollout.temperature),
-                options=step_lib.ForwardOptions.of(self.config.rl,
-                                                   self.engine.model_config.num_layers),
-            )  # fmt: skip
-            self._feature_shape_cache[key] = jax.eval_shape(
-                fn, abstract_like(self.state.params), abstract_like(batch))[1]  # fmt: skip
+            params, spec = abstract_like(self.state.params), abstract_like(batch)
+            self._feature_shape_cache[key] = jax.eval_shape(self._logprob_fn(), params, spec)[1]
         return self._feature_shape_cache[key]
 
     def _trains(self, micro) -> bool:
