@@ -63,6 +63,7 @@ class ProcessGroup:
         self.namespace = namespace
         self._local: dict[str, str] = {}
         self._reduce = None  # (sharding, program, device) of `allreduce_sum`
+        self._collectives = 0  # collectives so far (the same sequence on every process)
 
     @property
     def is_primary(self) -> bool:
@@ -128,11 +129,26 @@ class ProcessGroup:
         if self.count > 1:
             self._client.wait_at_barrier(self._key(name), timeout_ms)
 
+    def _arrive(self, tree: Any) -> None:
+        """Waits until `tree` is computed here and every process has reached this collective.
+
+        Gloo gives up on a peer after 30 s (its context set-up on the first collective:
+        `GetKeyValue() timed out`), while the processes of an RL step can reach a collective
+        minutes apart (one process's micro-batches, or its slice's straggler, take longer). The
+        coordination service's barrier waits up to `TIMEOUT_MS`, so the collective itself then
+        starts on every process at once. The inputs are awaited first: with asynchronous
+        dispatch a process would otherwise pass the barrier long before its collective runs.
+        """
+        jax.block_until_ready(tree)
+        self._collectives += 1
+        self.barrier(f"collective/{self._collectives}")
+
     def allreduce_sum(self, tree: Any) -> Any:
         """The element-wise sum of every process's `tree` (arrays on this process's first
         local device), on every process, placed like the input (a gloo all-reduce on CPU)."""
         if self.count == 1:
             return tree
+        self._arrive(tree)
         if self._reduce is None:
             from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -160,6 +176,7 @@ class ProcessGroup:
             return tree
         from jax.experimental import multihost_utils
 
+        self._arrive(tree)
         return multihost_utils.broadcast_one_to_all(
             jax.device_get(tree), is_source=self.index == source
         )

@@ -1,0 +1,19 @@
+"""`ProcessGroup`'s collectives across two JAX processes whose arrival is far apart (an RL
+step's straggler slice or a longer share of micro-batches): gloo alone gives up after 30 s."""
+
+import os
+import subprocess
+import sys
+
+from rl_testing import REPO
+
+
+def test_collectives_wait_for_a_peer_that_arrives_late():
+    env = dict(os.environ, TLT_TEST_LATE_S="35")  # past gloo's 30 s
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num_processes", "2",
+               "--", sys.executable, str(REPO / "tests" / "collective_peer.py")]  # fmt: skip
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "[0] process 0: ok" in run.stdout and "[1] process 1: ok" in run.stdout
