@@ -514,6 +514,9 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
     counts = load_token_counts(out, V)
     assert counts.sum() == 5 * 20 and counts[13] == 5 and counts[0] == 0
     assert load_hot_vocab(out, 3, V).tolist() == [13, 14, 15]
+    # A size at least the vocabulary is the whole vocabulary, as the online drafter treats it
+    # (a small-vocabulary run's export loads with the default spec.hot_vocab of 2048).
+    assert load_hot_vocab(out, V, V) is None and load_hot_vocab(out, 2048, V) is None
     seen_hot = []
     train_drafter = warmup.train_drafter
 

@@ -89,9 +89,12 @@ def load_token_counts(path: str | os.PathLike, vocab_size: int) -> np.ndarray:
     return counts
 
 
-def load_hot_vocab(path: str | os.PathLike, size: int, vocab_size: int) -> np.ndarray:
-    """The `size` hot token ids (int32 [U]) from a file `load_token_counts` reads."""
-    return hot_token_ids(load_token_counts(path, vocab_size), size)
+def load_hot_vocab(path: str | os.PathLike, size: int, vocab_size: int) -> np.ndarray | None:
+    """The `size` hot token ids (int32 [U]) from a file `load_token_counts` reads; None (the
+    whole vocabulary) when `size >= vocab_size`, as the online drafter treats it, so a drafter
+    exported from a small-vocabulary run loads with the default `hot_vocab`."""
+    counts = load_token_counts(path, vocab_size)
+    return None if size >= vocab_size else hot_token_ids(counts, size)
 
 
 def coverage(counts_V: np.ndarray, ids_U: np.ndarray) -> float:
