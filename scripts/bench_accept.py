@@ -27,6 +27,10 @@ _STEPS = flags.DEFINE_integer("steps", 20, "RL steps per run.")
 _ROOT = flags.DEFINE_string("root", "/tmp/bench_accept", "One workdir per variant under here.")
 _VARIANTS = flags.DEFINE_list("variants", ["spot", "frozen", "cold"], "Runs, in order.")
 _EXTRA = flags.DEFINE_multi_string("override", [], "More train.py flags for every run.")
+_PROBE = flags.DEFINE_integer(
+    "probe_prompts", 8,
+    "Then probe each run's final policy with every drafter on this many held-out prompts "
+    "(x the group size, SD on every step; 0: no probe).")  # fmt: skip
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results.")
 
 
@@ -46,7 +50,8 @@ def main(argv):
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=2").strip()  # fmt: skip
     result = bench_accept.run(_CONFIG.value, Path(_ROOT.value), _VARIANTS.value, _STEPS.value,
-                              _WARM.value, _EXTRA.value, env=env)  # fmt: skip
+                              _WARM.value, _EXTRA.value, env=env,
+                              probe_prompts=_PROBE.value)  # fmt: skip
     result["command"] = command
     print(json.dumps(result["summary"], indent=1))
     if _OUTPUT_JSON.value:

@@ -47,7 +47,7 @@ def test_frozen_variant_runs_end_to_end(tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/bench_accept.py", "--config=configs/tiny.py:tlt",
          f"--warm_drafter={warm}", "--steps=1", "--variants=frozen",
-         f"--root={tmp_path / 'runs'}", f"--output_json={out}"],
+         f"--root={tmp_path / 'runs'}", f"--output_json={out}", "--probe_prompts=1"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -57,3 +57,25 @@ def test_frozen_variant_runs_end_to_end(tmp_path):
     assert [r["step"] for r in steps] == [1]
     assert all(r["drafter_version"] in (0, None) for r in steps)  # never trained
     assert list(result["summary"]["accept_len_by_step"]) == ["frozen"]
+    # The final policy probed with SD on every step: the frozen (warm-up) drafter and n-gram.
+    probe = result["probe"]["frozen"]
+    assert probe["step"] == 1 and probe["requests"] == 4  # 1 prompt x the tiny group of 4
+    assert probe["frozen"]["verify_steps"] > 0 and probe["ngram"]["verify_steps"] > 0
+    assert 1.0 <= probe["frozen"]["accept_len"] <= 5.0  # strategy 4,1,5: at most depth + 1
+
+
+def test_probe_pairs_each_policy_with_every_drafter_and_summarizes(tmp_path):
+    for v in ("spot", "cold", "warm"):
+        (tmp_path / v / "drafter").mkdir(parents=True)
+    warm = str(tmp_path / "warm" / "drafter")
+    pairs = bench_accept.probe_drafters(tmp_path, ["spot", "frozen", "cold"], warm)
+    assert pairs["spot"] == {"spot": str(tmp_path / "spot" / "drafter"), "frozen": warm,
+                             "cold": str(tmp_path / "cold" / "drafter")}  # fmt: skip
+    assert list(pairs["frozen"]) == ["frozen", "spot", "cold"]  # the run's own drafter first
+    assert "frozen" not in bench_accept.probe_drafters(tmp_path, ["spot", "frozen"], None)
+    probes = {"spot": {"step": 20, "spot": {"accept_len": 2.0}, "frozen": {"accept_len": 1.5},
+                       "ngram": {"accept_len": 1.4}},
+              "cold": {"cold": {"accept_len": 1.6}, "ngram": {"accept_len": 1.5}}}  # fmt: skip
+    s = bench_accept.summarize_probe(probes)
+    assert s == {"spot_policy_spot_minus_frozen": pytest.approx(0.5),
+                 "cold_policy_cold_minus_ngram": pytest.approx(0.1)}  # fmt: skip

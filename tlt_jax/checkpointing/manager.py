@@ -121,6 +121,16 @@ class RunCheckpointer(_Checkpointer):
             items["drafter_buffer"] = ocp.args.StandardSave(drafter_buffer)
         return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
+    def read_config(self, step: int | None = None) -> dict[str, Any] | None:
+        """The run config stored with the checkpoint at `step` (default latest); None if there
+        is no checkpoint. Reads nothing else."""
+        step = self._manager.latest_step() if step is None else step
+        if step is None:
+            return None
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))  # fmt: skip
+        return dict(restored.config)
+
     def restore(self, like: Any, step: int | None = None, *, drafter_like: Any = None
                 ) -> Restored | None:  # fmt: skip
         """The checkpoint at `step` (default latest) laid out like `like`; None if there is none.

@@ -9,7 +9,10 @@ in the drafter (`VARIANTS`):
 
 Each step's `accept_len_eagle` (tokens per EAGLE SD step under the drafter version of that
 step) and `accept_len_ngram` (the model-free drafts' in the same rollouts) come from the runs'
-`metrics.jsonl`. The goals: the spot-trained drafter beats the frozen one by >= 0.3 tokens at
+`metrics.jsonl`. Once responses shrink those rest on a handful of EAGLE steps per RL step, so
+the final policies are also probed (`accept_probe`): each run's last checkpoint samples
+held-out prompts with SD on every step, once per drafter, over thousands of verify steps. The
+goals: the spot-trained drafter beats the frozen one by >= 0.3 tokens at
 the last step (mean of the last three steps: a step's acceptance rests on its SD steps only),
 and the cold start passes the n-gram drafts within the run.
 """
@@ -82,10 +85,38 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+def probe_drafters(root: Path, variants: Sequence[str], warm: str | None
+                   ) -> dict[str, dict[str, str]]:  # fmt: skip
+    """Per finished run (its final policy), the drafters `accept_probe` compares on it: the
+    run's own (the spot-trained or cold-started export, or the frozen warm-up) and the
+    other drafters of the benchmark that exist."""
+    own = {"spot": Path(root) / "spot" / "drafter", "cold": Path(root) / "cold" / "drafter",
+           "frozen": Path(warm) if warm else None}  # fmt: skip
+    ready = {v: str(d) for v, d in own.items() if v in variants and d is not None and d.is_dir()}
+    return {v: {v: ready[v], **{o: d for o, d in ready.items() if o != v}}
+            for v in variants if v in ready}  # fmt: skip
+
+
+def summarize_probe(probes: dict[str, dict]) -> dict:
+    """On each run's final policy: spot-trained minus frozen (warm-up) drafter acceptance, and
+    the cold start against the n-gram drafts, over the probe's many verify steps."""
+    out = {}
+    for policy, p in probes.items():
+        accept = {k: v["accept_len"] for k, v in p.items() if isinstance(v, dict)}
+        if accept.get("spot") is not None and accept.get("frozen") is not None:
+            out[f"{policy}_policy_spot_minus_frozen"] = accept["spot"] - accept["frozen"]
+        if accept.get("cold") is not None and accept.get("ngram") is not None:
+            out[f"{policy}_policy_cold_minus_ngram"] = accept["cold"] - accept["ngram"]
+    return out
+
+
 def run(config: str, root: Path, variants: Sequence[str], steps: int, warm: str | None,
-        extra: Sequence[str] = (), env: dict | None = None, log=print) -> dict:  # fmt: skip
+        extra: Sequence[str] = (), env: dict | None = None, log=print,
+        probe_prompts: int = 0) -> dict:  # fmt: skip
     """Runs (or resumes: a workdir with a checkpoint continues to `steps`) each variant and
-    summarizes; a variant that fails keeps the steps it logged and its error."""
+    summarizes; a variant that fails keeps the steps it logged and its error. With
+    `probe_prompts`, each finished run's final policy is then probed with every drafter
+    (`accept_probe`: SD on every step over that many held-out prompts x the group size)."""
     runs, errors = {}, {}
     for variant in variants:
         workdir = Path(root) / variant
@@ -100,4 +131,19 @@ def run(config: str, root: Path, variants: Sequence[str], steps: int, warm: str 
             errors[variant] = f"rc {rc}; see {logfile}"
         log(f"{variant}: {len(runs[variant])} steps, accept_len_eagle "
             f"{[r['accept_len_eagle'] for r in runs[variant]]}")  # fmt: skip
-    return {"summary": summarize(runs), "per_step": runs, "errors": errors}
+    result = {"summary": summarize(runs), "per_step": runs, "errors": errors}
+    if probe_prompts:
+        from tlt_jax.rl import accept_probe
+
+        probes = {}
+        for policy, drafters in probe_drafters(root, variants, warm).items():
+            if policy in errors:
+                continue
+            probes[policy] = accept_probe.probe(Path(root) / policy, drafters,
+                                                prompts=probe_prompts)  # fmt: skip
+            log(f"probe on the {policy} run's policy: " + ", ".join(
+                f"{k} {v['accept_len']}" for k, v in probes[policy].items()
+                if isinstance(v, dict)))  # fmt: skip
+        result["probe"] = probes
+        result["summary"]["probe"] = summarize_probe(probes)
+    return result
