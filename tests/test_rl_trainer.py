@@ -488,6 +488,33 @@ def test_tlt_adaptive_rollouts_in_the_rl_loop_and_the_bandit_resumes(tmp_path):
     resumed.close()
 
 
+def test_spec_max_cost_ratio_rederives_the_calibration_files_threshold(tmp_path):
+    from tlt_jax.rl import policy
+    from tlt_jax.rollout.calibrate import Calibration
+
+    # verify / plain per bucket: 1.18, 1.03, 1.05, 1.69, 1.32, 1.94 (hand-computed bounds below)
+    plain = {1: 100.0, 2: 100.0, 4: 100.0, 8: 100.0, 16: 100.0, 32: 100.0}
+    verify = {1: 118.0, 2: 103.0, 4: 105.0, 8: 169.0, 16: 132.0, 32: 194.0}
+    path = Calibration(32, 2, 2.0, plain, verify, 1.0, "cpu").save(tmp_path / "cal.json")
+    calibration = Calibration.from_dict(json.loads(path.read_text()))
+    assert [calibration.threshold_at(r) for r in (1.0, 1.04, 1.1, 1.4, 1.7, 2.0)] == [
+        0, 2, 4, 16, 16, 32]  # fmt: skip
+    with pytest.raises(ValueError, match="max_cost_ratio=0"):
+        calibration.threshold_at(0)
+
+    def threshold(**spec):
+        config = tiny_config(**{"spec.mode": "adaptive", "spec.calibration_file": str(path),
+                                **{f"spec.{k}": v for k, v in spec.items()}})  # fmt: skip
+        return policy.resolve_threshold(config, engine=None)
+
+    assert threshold() == 32  # the file's own
+    assert threshold(max_cost_ratio=1.4) == 16
+    assert threshold(max_cost_ratio=1.1) == 4
+    assert threshold(max_cost_ratio=1.1, threshold=8) == 8  # an explicit threshold wins
+    with pytest.raises(ValueError, match=r"spec.max_cost_ratio=-1\.0 must be a number >= 0"):
+        tiny_config(**{"spec.max_cost_ratio": -1.0})
+
+
 def test_spec_threshold_is_calibrated_at_start_without_a_file(tmp_path):
     config = tiny_config(total_steps=1, **{"spec.mode": "adaptive"})
     trainer = Trainer(config, tmp_path, progress=False)

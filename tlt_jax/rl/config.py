@@ -328,6 +328,11 @@ class SpecConfig:
       threshold: most running requests SD is tried at; 0 takes it from `calibration_file`,
         or calibrates at start (`tlt_jax.rollout.calibrate`) when that is "".
       calibration_file: JSON written by `scripts/calibrate_spec.py`.
+      max_cost_ratio: with `threshold` 0, the bound on the calibrated verify / plain step cost
+        that sets the threshold (the largest batch bucket below it); 0 keeps the calibration
+        file's threshold (its own bound, 2.0 by default) or calibrates with 2.0. Set it to
+        about the acceptance length the run's drafts reach (tokens per verify step): SD
+        cannot pay where a verify step costs more plain steps than it emits tokens.
       warmup_steps: N consecutive steps at or under the threshold before SD turns on.
       bucket_bounds: BEG bucket lower bounds t_i (buckets [t_i, t_{i+1})).
       strategies: per bucket, '|'-separated 'depth,topk,verify' strategies of one verify budget.
@@ -342,6 +347,7 @@ class SpecConfig:
     attention_impl: str = "xla"
     threshold: int = 0
     calibration_file: str = ""
+    max_cost_ratio: float = 0.0
     warmup_steps: int = 10
     bucket_bounds: tuple[int, ...] = (1, 2, 5, 9)
     strategies: tuple[str, ...] = ("4,1,5", "3,1,4", "2,1,3", "1,1,2")
@@ -356,6 +362,9 @@ class SpecConfig:
                  f"spec.mode={self.mode!r} is not one of {list(SPEC_MODES)}")  # fmt: skip
         _positive_int("spec", "hot_vocab", self.hot_vocab, minimum=0)
         _positive_int("spec", "threshold", self.threshold, minimum=0)
+        _require(isinstance(self.max_cost_ratio, (int, float)) and self.max_cost_ratio >= 0,
+                 f"spec.max_cost_ratio={self.max_cost_ratio!r} must be a number >= 0 "
+                 "(0: the calibration's own bound)")  # fmt: skip
         sources = self.sources(has_drafter=True)
         _require(
             all(src in DRAFT_SOURCES for src in sources) and sources,

@@ -129,8 +129,9 @@ def load_drafter(spec: SpecConfig, target: ModelConfig):
 
 def resolve_threshold(config: TrainConfig, engine: RolloutEngine, workdir: Path | None = None
                       ) -> int:  # fmt: skip
-    """The SD threshold: `spec.threshold`, else the calibration file's, else measured now
-    (written to `workdir/spec_calibration.json` and logged); the engine's largest batch for
+    """The SD threshold: `spec.threshold`, else the calibration file's (re-derived under
+    `spec.max_cost_ratio` when that is set), else measured now (written to
+    `workdir/spec_calibration.json` and logged); the engine's largest batch for
     `spec.mode == "always"`. With `spec.mode == "off"` nothing is measured: the threshold
     (which then only sets where `long_tail_share` is counted) falls back to
     `REPORT_THRESHOLD`, the paper's default."""
@@ -140,12 +141,16 @@ def resolve_threshold(config: TrainConfig, engine: RolloutEngine, workdir: Path 
     if spec.threshold:
         return spec.threshold
     if spec.calibration_file:
-        return calibrate_lib.load_calibration(spec.calibration_file).threshold
+        calibration = calibrate_lib.load_calibration(spec.calibration_file)
+        if not spec.max_cost_ratio:
+            return calibration.threshold
+        return calibration.threshold_at(spec.max_cost_ratio)
     if spec.mode == "off":
         return REPORT_THRESHOLD
     verify = min(SpecStrategy.parse(s.split("|")[0]).verify_tokens for s in spec.strategies)
     result = calibrate_lib.calibrate(engine, verify_tokens=verify, seed=config.seed,
-                                     temperature=config.rollout.temperature)  # fmt: skip
+                                     temperature=config.rollout.temperature,
+                                     max_cost_ratio=spec.max_cost_ratio or 2.0)  # fmt: skip
     log.info("SD calibration (%.1f s): threshold %d, verify/plain cost per batch %s",
              result.seconds, result.threshold, result.to_dict()["cost_ratio"])  # fmt: skip
     if workdir is not None:

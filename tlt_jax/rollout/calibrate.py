@@ -47,6 +47,16 @@ class Calibration:
     def cost_ratio(self) -> dict[int, float]:
         return {b: self.verify_ms[b] / self.plain_ms[b] for b in self.plain_ms}
 
+    def threshold_at(self, max_cost_ratio: float) -> int:
+        """The threshold under another bound: the largest timed bucket whose verify / plain
+        ratio is below `max_cost_ratio` (0: none). A bound of about the acceptance length the
+        run's drafts reach (tokens per verify step) keeps SD where it can pay; the file's own
+        bound (`max_cost_ratio`, 2.0 by default) is a loose upper one. Buckets above the
+        timed ones were not measured and never qualify."""
+        if not max_cost_ratio > 0:
+            raise ValueError(f"max_cost_ratio={max_cost_ratio!r} must be > 0")
+        return max((b for b, r in self.cost_ratio.items() if r < max_cost_ratio), default=0)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "threshold": self.threshold,
@@ -152,9 +162,8 @@ def calibrate(engine, *, verify_tokens: int = 4, max_batch: int | None = None,
                     break
         finally:
             engine.step_policy = saved
-    ratio = {b: verify_ms[b] / plain_ms[b] for b in plain_ms}
-    threshold = max((b for b in ratio if ratio[b] < max_cost_ratio), default=0)
     import jax
 
-    return Calibration(threshold, verify_tokens, max_cost_ratio, plain_ms, verify_ms,
-                       time.perf_counter() - start, jax.default_backend())  # fmt: skip
+    result = Calibration(0, verify_tokens, max_cost_ratio, plain_ms, verify_ms,
+                         time.perf_counter() - start, jax.default_backend())  # fmt: skip
+    return dataclasses.replace(result, threshold=result.threshold_at(max_cost_ratio))
