@@ -141,6 +141,34 @@ def test_registered_builder_reads_through_tfds_data_source_without_tensorflow(tm
     assert loaded[0]["answer"] == answer
 
 
+def test_processes_sharing_a_data_dir_build_it_once_without_racing(tmp_path):
+    # N processes of one run on one host (launch_local.py) load the same split into the same
+    # fresh data_dir at once: TFDS builds into a temporary folder and renames it, and without
+    # the lock in load_split all but the first fail with FileExistsError.
+    script = textwrap.dedent(
+        f"""
+        import json, sys, time
+        from tlt_jax.data import arithmetic, pipeline
+        time.sleep(max(0.0, float(sys.argv[1]) - time.time()))  # start together
+        config = arithmetic.make_config("level1", num_train=2000, num_test=20)
+        examples = pipeline.load_split("arithmetic", "train", data_dir={str(tmp_path)!r},
+                                       config=config)
+        print(json.dumps([len(examples), examples[0], examples[-1]]))
+        """
+    )
+    import time
+
+    start = f"{time.time() + 8.0}"  # after every interpreter has imported TFDS
+    procs = [subprocess.Popen([sys.executable, "-c", script, start], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]  # fmt: skip
+    results = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    outputs = {out.strip().splitlines()[-1] for out, _ in results}
+    assert len(outputs) == 1 and json.loads(outputs.pop())[0] == 2000
+
+
 # GSM8K builder.
 
 

@@ -13,6 +13,7 @@ for checkpoints, and restoring it replays exactly the batches that would have co
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -74,13 +75,21 @@ def load_split(
         folder = gsm8k.check_manual_dir(manual_dir)
         download_config = tfds.download.DownloadConfig(manual_dir=os.fspath(folder))
         builder_kwargs.setdefault("config", gsm8k.config_for_files(folder))
-    builder = _BUILDERS[name](
-        data_dir=os.path.expanduser(os.fspath(data_dir)),
-        file_format="array_record",
-        **builder_kwargs,
-    )
-    # A no-op when the build is already in data_dir.
-    builder.download_and_prepare(download_config=download_config, file_format="array_record")
+    data_dir = Path(os.path.expanduser(os.fspath(data_dir)))
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # Processes sharing data_dir (N JAX processes on one host, `launch_local.py`) build one at a
+    # time: TFDS writes to a temporary folder and renames it, so concurrent builds of the same
+    # config race, and the loser fails with FileExistsError. The others wait, then find it built.
+    with (data_dir / ".prepare.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            builder = _BUILDERS[name](data_dir=os.fspath(data_dir), file_format="array_record",
+                                      **builder_kwargs)  # fmt: skip
+            # A no-op when the build is already in data_dir.
+            builder.download_and_prepare(download_config=download_config,
+                                         file_format="array_record")  # fmt: skip
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     source = builder.as_data_source(split=split)
     records = source.__getitems__(range(len(source)))
     return [{key: _to_python(value) for key, value in record.items()} for record in records]
