@@ -394,6 +394,42 @@ def test_sink_features_come_from_the_update_and_match_a_forward_over_every_micro
                 np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("silent_features", [False, True])
+def test_online_drafter_takes_silent_groups_features_only_with_spot_silent_features(
+        tmp_path, silent_features):  # fmt: skip
+    # The online drafter's sink alone: the silent group's micro-batch, which the update
+    # skips, gets a forward of its own (and its rows reach the buffer) only when asked.
+    examples = [{"question": "What is 10 + 20?", "answer": "30"},
+                {"question": "What is 1 + 2?", "answer": "3"}]  # fmt: skip
+    config = tiny_config(total_steps=1, **{
+        "rl.recompute_logprobs": None, "rl.reward_fn": "rl_testing:silent_unless_30_reward",
+        "spot.enabled": True, "spot.slices": 2,
+        "spot.silent_features": silent_features})  # fmt: skip
+    trainer = Trainer(config, tmp_path, progress=False)
+    programs, forwards, added = trainer._programs, [], []
+
+    def counting(batch, *, logprob=True):
+        forward, grad = programs(batch, logprob=logprob)
+        if forward is None:
+            return forward, grad
+        return (lambda params, b: (forwards.append(b), forward(params, b))[1]), grad
+
+    add = trainer.online.add
+    trainer._programs = counting
+    trainer.online.add = lambda tokens, *rest, **kw: (added.append(len(tokens)),
+                                                      add(tokens, *rest, **kw))[1]  # fmt: skip
+    record = trainer.run_step(examples)
+    trainer.close()
+    assert record["groups_with_signal"] == 0.5
+    trained = record["micro_batches_trained"]
+    if silent_features:
+        assert len(forwards) == record["micro_batches_total"] - trained >= 1
+        assert len(added) == record["micro_batches_total"]
+    else:
+        assert forwards == [] and record["micro_batches_total"] == trained
+        assert len(added) == trained >= 1
+
+
 def test_non_finite_loss_skips_updates_then_stops_with_checkpoint_intact(tmp_path):
     Trainer(tiny_config(total_steps=1), tmp_path, progress=False).train()
     config = tiny_config(total_steps=6, checkpoint_every=1, **{"rl.max_nonfinite_steps": 2})

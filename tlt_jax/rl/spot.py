@@ -56,6 +56,10 @@ class SpotConfig:
         what the uninterrupted one would; larger buffers (long responses of big models) are
         left out, and the first resumed step trains on nothing (a warning says so).
       export: write the drafter as an HF-EAGLE directory (`workdir/drafter`) at the end.
+      silent_features: also run a forward over the micro-batches the update skips (groups
+        whose advantages are all zero) for the drafter's features. Off, the drafter learns
+        from what the update computes anyway (DESIGN.md: no extra target pass): in the
+        2-process main job that forward took 10-18 s of 79-161 s TLT steps (BENCHMARKS.md).
     """
 
     slices: int = 1
@@ -72,6 +76,7 @@ class SpotConfig:
     exact_steps_per_rl_step: int = 0
     checkpoint_buffer_mb: int = 1024
     export: bool = True
+    silent_features: bool = False
 
     def __post_init__(self):
         for name in ("slices", "batch_rows", "row_len", "window", "buffer_steps"):

@@ -143,6 +143,12 @@ class Trainer:
         self.online = self.rollouts.online
         if self.online is not None:
             self.sinks.append(self.online)
+        # Micro-batches the update skips (groups with all-zero advantages) need a forward of
+        # their own for their features: for a caller's sink, and for the online drafter's only
+        # with `spot.silent_features` (the forward is on the step's critical path).
+        self._silent_features = bool(self.sinks) and (
+            feature_sink is not None or cfg.spot.silent_features
+        )
         self.engine = self.rollouts.engine
         self.slices = self.rollouts.slices
         self.graphdef = self.engine.graphdef
@@ -308,8 +314,9 @@ class Trainer:
                 prompts, responses, cfg.rl.group_size, min_bucket=cfg.rl.min_length_bucket,
                 max_prompt=cfg.rollout.max_prompt_len, max_response=cfg.rollout.max_new_tokens,
             )  # fmt: skip
-        # With sinks, micro-batches the update skips still need a forward for their features.
-        self._programs(self._put(batch), logprob=self._forward_before_update or bool(self.sinks))
+        # Micro-batches the update skips may still need a forward for their features.
+        self._programs(self._put(batch),
+                       logprob=self._forward_before_update or self._silent_features)  # fmt: skip
         self._apply_program()
         self.rollouts.precompile_drafter()
         report = [{"program": "/".join(map(str, c.key)), "compile_s": round(c.seconds, 2),
@@ -374,7 +381,7 @@ class Trainer:
             advantages = np.asarray(compute_advantages(cfg.rl.algorithm, rewards_PxG), np.float32)
             has_signal = np.any(advantages != 0, axis=1)
         responses = [c.token_ids for c in completions]
-        needs_all = bool(self.sinks) or cfg.rl.algorithm.kl_coef > 0
+        needs_all = self._silent_features or cfg.rl.algorithm.kl_coef > 0
         minibatches, micro_plan = packing.micro_batches(
             cfg.rl, cfg.rollout, prompts, responses, has_signal, include_silent=needs_all,
             data=cfg.model.mesh_shape[0],
