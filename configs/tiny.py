@@ -43,5 +43,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.rollout.max_new_tokens = 24
         c.spec.update(mode="adaptive", threshold=8, warmup_steps=1, bucket_bounds=(1, 2, 3),
                       strategies=("3,1,4", "2,1,3", "1,1,2"))  # fmt: skip
-        c.spot.update(enabled=True, slices=2, row_len=64, window=64)
+        # A random policy scores 0 on every group, so the update trains nothing and only the
+        # silent groups' forward feeds the drafter (spot.silent_features).
+        c.spot.update(enabled=True, slices=2, row_len=64, window=64, silent_features=True)
     return c
