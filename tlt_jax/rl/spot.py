@@ -60,6 +60,8 @@ class SpotConfig:
         whose advantages are all zero) for the drafter's features. Off, the drafter learns
         from what the update computes anyway (DESIGN.md: no extra target pass): in the
         2-process main job that forward took 10-18 s of 79-161 s TLT steps (BENCHMARKS.md).
+        Turn it on where most groups are silent (greedy rollouts; a policy that fails or
+        solves every problem): without it such steps give the drafter no data.
     """
 
     slices: int = 1
