@@ -352,13 +352,31 @@ def test_sink_features_match_the_policy_forward(tmp_path):
     trainer.close()
 
 
+# One group with signal and one silent group under `rl_testing:silent_unless_30_reward`.
+SILENT_EXAMPLES = [{"question": "What is 10 + 20?", "answer": "30"},
+                   {"question": "What is 1 + 2?", "answer": "3"}]  # fmt: skip
+
+
+def _count_forwards(trainer: Trainer) -> list:
+    """Wraps the trainer's log-prob (forward) programs; returns the list each call appends its
+    batch to."""
+    programs, seen = trainer._programs, []
+
+    def counting(batch, *, logprob=True):
+        forward, grad = programs(batch, logprob=logprob)
+        if forward is None:
+            return forward, grad
+        return (lambda params, b: (seen.append(b), forward(params, b))[1]), grad
+
+    trainer._programs = counting
+    return seen
+
+
 def test_sink_features_come_from_the_update_and_match_a_forward_over_every_micro_batch(
         tmp_path):  # fmt: skip
     # One group with signal (its micro-batch trained: the features come out of the gradient
     # program) and one silent group (skipped by the update: a forward of its own). The sink
     # must get what the recompute path's forward over every micro-batch gives, in that order.
-    examples = [{"question": "What is 10 + 20?", "answer": "30"},
-                {"question": "What is 1 + 2?", "answer": "3"}]  # fmt: skip
     calls, forwards, records = {}, {}, {}
     for recompute in (True, None):
         sink = RecordingSink()
@@ -366,16 +384,8 @@ def test_sink_features_come_from_the_update_and_match_a_forward_over_every_micro
                      "rl.reward_fn": "rl_testing:silent_unless_30_reward"}  # fmt: skip
         config = tiny_config(total_steps=1, **overrides)
         trainer = Trainer(config, tmp_path / str(recompute), feature_sink=sink, progress=False)
-        programs, forwards[recompute] = trainer._programs, []
-
-        def counting(batch, *, logprob=True, programs=programs, seen=forwards[recompute]):
-            forward, grad = programs(batch, logprob=logprob)
-            if forward is None:
-                return forward, grad
-            return (lambda params, b: (seen.append(b), forward(params, b))[1]), grad
-
-        trainer._programs = counting
-        records[recompute] = trainer.run_step(examples)
+        forwards[recompute] = _count_forwards(trainer)
+        records[recompute] = trainer.run_step(SILENT_EXAMPLES)
         calls[recompute] = sink.calls
         trainer.close()
     assert records[None]["groups_with_signal"] == 0.5
@@ -399,26 +409,15 @@ def test_online_drafter_takes_silent_groups_features_only_with_spot_silent_featu
         tmp_path, silent_features):  # fmt: skip
     # The online drafter's sink alone: the silent group's micro-batch, which the update
     # skips, gets a forward of its own (and its rows reach the buffer) only when asked.
-    examples = [{"question": "What is 10 + 20?", "answer": "30"},
-                {"question": "What is 1 + 2?", "answer": "3"}]  # fmt: skip
     config = tiny_config(total_steps=1, **{
         "rl.recompute_logprobs": None, "rl.reward_fn": "rl_testing:silent_unless_30_reward",
         "spot.enabled": True, "spot.slices": 2,
         "spot.silent_features": silent_features})  # fmt: skip
     trainer = Trainer(config, tmp_path, progress=False)
-    programs, forwards, added = trainer._programs, [], []
-
-    def counting(batch, *, logprob=True):
-        forward, grad = programs(batch, logprob=logprob)
-        if forward is None:
-            return forward, grad
-        return (lambda params, b: (forwards.append(b), forward(params, b))[1]), grad
-
-    add = trainer.online.add
-    trainer._programs = counting
+    forwards, added, add = _count_forwards(trainer), [], trainer.online.add
     trainer.online.add = lambda tokens, *rest, **kw: (added.append(len(tokens)),
                                                       add(tokens, *rest, **kw))[1]  # fmt: skip
-    record = trainer.run_step(examples)
+    record = trainer.run_step(SILENT_EXAMPLES)
     trainer.close()
     assert record["groups_with_signal"] == 0.5
     trained = record["micro_batches_trained"]

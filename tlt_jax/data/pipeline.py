@@ -80,16 +80,14 @@ def load_split(
     # Processes sharing data_dir (N JAX processes on one host, `launch_local.py`) build one at a
     # time: TFDS writes to a temporary folder and renames it, so concurrent builds of the same
     # config race, and the loser fails with FileExistsError. The others wait, then find it built.
+    # Closing the lock file releases the lock.
     with (data_dir / ".prepare.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            builder = _BUILDERS[name](data_dir=os.fspath(data_dir), file_format="array_record",
-                                      **builder_kwargs)  # fmt: skip
-            # A no-op when the build is already in data_dir.
-            builder.download_and_prepare(download_config=download_config,
-                                         file_format="array_record")  # fmt: skip
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        builder = _BUILDERS[name](data_dir=os.fspath(data_dir), file_format="array_record",
+                                  **builder_kwargs)  # fmt: skip
+        # A no-op when the build is already in data_dir.
+        builder.download_and_prepare(download_config=download_config,
+                                     file_format="array_record")  # fmt: skip
     source = builder.as_data_source(split=split)
     records = source.__getitems__(range(len(source)))
     return [{key: _to_python(value) for key, value in record.items()} for record in records]

@@ -146,8 +146,8 @@ class Trainer:
         # Micro-batches the update skips (groups with all-zero advantages) need a forward of
         # their own for their features: for a caller's sink, and for the online drafter's only
         # with `spot.silent_features` (the forward is on the step's critical path).
-        self._silent_features = bool(self.sinks) and (
-            feature_sink is not None or cfg.spot.silent_features
+        self._silent_features = feature_sink is not None or (
+            self.online is not None and cfg.spot.silent_features
         )
         self.engine = self.rollouts.engine
         self.slices = self.rollouts.slices
