@@ -73,6 +73,11 @@ def test_probe_pairs_each_policy_with_every_drafter_and_summarizes(tmp_path):
                              "cold": str(tmp_path / "cold" / "drafter")}  # fmt: skip
     assert list(pairs["frozen"]) == ["frozen", "spot", "cold"]  # the run's own drafter first
     assert "frozen" not in bench_accept.probe_drafters(tmp_path, ["spot", "frozen"], None)
+    # No frozen run: the warm-up drafter is still compared on the runs' policies.
+    pairs = bench_accept.probe_drafters(tmp_path, ["spot", "cold"], warm)
+    assert list(pairs) == ["spot", "cold"]
+    assert pairs["spot"] == {"spot": str(tmp_path / "spot" / "drafter"), "frozen": warm,
+                             "cold": str(tmp_path / "cold" / "drafter")}  # fmt: skip
     probes = {"spot": {"step": 20, "spot": {"accept_len": 2.0}, "frozen": {"accept_len": 1.5},
                        "ngram": {"accept_len": 1.4}},
               "cold": {"cold": {"accept_len": 1.6}, "ngram": {"accept_len": 1.5}}}  # fmt: skip
