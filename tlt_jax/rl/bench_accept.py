@@ -92,10 +92,10 @@ def probe_drafters(root: Path, variants: Sequence[str], warm: str | None
     other drafters of the benchmark that exist. The frozen drafter is the warm-up export
     itself, so it is compared on every policy whenever `warm` is given, with or without a
     "frozen" run (whose policy is probed only when it ran)."""
-    own = {"spot": Path(root) / "spot" / "drafter", "cold": Path(root) / "cold" / "drafter",
-           "frozen": Path(warm) if warm else None}  # fmt: skip
-    ready = {v: str(d) for v, d in own.items()
-             if (v in variants or v == "frozen") and d is not None and d.is_dir()}  # fmt: skip
+    own = {v: Path(root) / v / "drafter" for v in ("spot", "cold") if v in variants}
+    if warm:
+        own["frozen"] = Path(warm)
+    ready = {v: str(d) for v, d in own.items() if d.is_dir()}
     return {v: {v: ready[v], **{o: d for o, d in ready.items() if o != v}}
             for v in variants if v in ready}  # fmt: skip
 
