@@ -109,10 +109,12 @@ def test_kill_9_with_spot_training_resumes_the_drafter_too(tmp_path):
 
     process = subprocess.Popen(_spot_command(killed), cwd=REPO, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    metrics = killed / "metrics.jsonl"
+    metrics, step_2 = killed / "metrics.jsonl", killed / "checkpoints" / "2"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+        # The step-2 checkpoint is saved in the background: on a loaded machine step 3 can end
+        # before orbax renames its temporary directory, and a kill then leaves nothing to resume.
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3 and step_2.is_dir():
             break
         time.sleep(0.01)
     os.kill(process.pid, signal.SIGKILL)
