@@ -15,7 +15,7 @@ from rl_testing import tiny_config
 from tlt_jax.metrics import timing
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import init_model
-from tlt_jax.rl import evaluation
+from tlt_jax.rl import evaluation, spot
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import AlgorithmConfig, token_weights
 from tlt_jax.rl.config import OptimConfig
@@ -188,6 +188,33 @@ def test_long_tail_share_and_seeds():
     np.testing.assert_array_equal(rollout_seeds(words, 3, 8), rollout_seeds(words, 3, 8))
     assert not np.array_equal(rollout_seeds(words, 3, 8), rollout_seeds(words, 4, 8))
     assert len(set(rollout_seeds(words, 3, 64).tolist())) == 64
+
+
+def test_long_tail_over_slices_is_wall_time_with_few_requests_running_anywhere():
+    # Slice a: steps end at 1, 3 s with 4, 2 running; slice b: at 2, 5 s with 3, 1 running.
+    # Together: (0, 1] 7 running, (1, 2] 5, (2, 3] 3, (3, 5] 1.
+    a = [(1.0, 4, "plain"), (3.0, 2, "ngram:3,1,4")]
+    b = [(2.0, 3, "plain"), (5.0, 1, "plain")]
+    assert timing.merge_timelines([a, b]) == [(1.0, 7), (2.0, 5), (3.0, 3), (5.0, 1)]
+    assert timing.merge_timelines([a]) == [(1.0, 4), (3.0, 2)]
+    assert timing.merge_timelines([[], []]) == []
+    spec = {"spec": 1, "plain": 3, "rows": {}, "tokens": {}, "choices": {}, "threshold": 3}
+
+    def slice_stats(timeline):
+        return {**timing.tail_stats(timeline, 3), "timeline": [row[:2] for row in timeline]}
+
+    # Two processes, one slice each: at most 3 running anywhere for 1 + 2 of 5 s. Each slice
+    # against its own requests: a is in its tail 2 of 3 s (1 of them SD), b all 5 s.
+    out = spot.combine_rollout_stats(
+        [{"tail": [slice_stats(a)], "spec": spec}, {"tail": [slice_stats(b)], "spec": spec}],
+        sliced=False)  # fmt: skip
+    assert out["long_tail_share"] == pytest.approx(3 / 5)
+    assert out["long_tail_s"] == pytest.approx(3.0) and out["rollout_decode_s"] == 5.0
+    assert out["slice_tail_share"] == pytest.approx(7 / 8) and out["slice_tail_s"] == 7.0
+    assert out["sd_tail_s"] == pytest.approx(2.0)
+    # One slice: the run's tail is the slice's.
+    one = spot.combine_rollout_stats([{"tail": [slice_stats(a)], "spec": spec}], sliced=False)
+    assert one["long_tail_share"] == one["slice_tail_share"] == pytest.approx(2 / 3)
 
 
 def test_paired_difference_hand_computed():

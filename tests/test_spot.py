@@ -223,6 +223,11 @@ def test_spot_training_in_the_rl_loop_is_lossless_checkpointed_and_exported(tmp_
     for a, b in zip(off, on, strict=True):
         assert a["response_lengths"] == b["response_lengths"]
         assert a["reward_mean"] == b["reward_mean"]
+    for record in on:
+        # The run's tail is wall time with few requests running over both slices; it is never
+        # longer than the slices' own tails added up (slice-seconds).
+        assert 0.0 < record["long_tail_s"] <= record["slice_tail_s"] + 1e-6
+        assert 0.0 < record["long_tail_share"] <= 1.0
     # Step 1 fills the buffer; the idle slice trains during step 2's rollout.
     assert on[1]["spot_drafter_steps"] > 0 and on[1]["drafter_version"] == 1
     assert on[1]["spot_reclaimed_share"] > 0 and on[1]["spot_preemption_latency_s"] >= 0

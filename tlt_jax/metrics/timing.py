@@ -62,6 +62,31 @@ def tail_stats(timeline: Sequence[tuple], threshold: int) -> dict[str, float]:
     }
 
 
+def merge_timelines(timelines: Sequence[Sequence[tuple]]) -> list[tuple[float, int]]:
+    """Several engines' step timelines as one: (seconds, requests running over all of them).
+
+    Each timeline is `EngineStats.timeline` of one rollout slice, its clock started when the
+    slice's rollout did (the slices start together, after the step's weight sync); a slice
+    runs its step's requests up to each step's end and none after its last step. The merged
+    timeline has a row at every step end of any slice, with the sum of the slices' running
+    requests over the interval that row closes, so `tail_stats(merged, threshold)` is the
+    run's long tail in wall time: the seconds in which at most `threshold` requests were
+    running anywhere (arms are dropped: a merged row is no one engine's step).
+    """
+    series = [(np.asarray([row[0] for row in t], np.float64), np.asarray([row[1] for row in t]))
+              for t in timelines if t]  # fmt: skip
+    if not series:
+        return []
+    ends = np.unique(np.concatenate([e for e, _ in series]))
+    total = np.zeros(len(ends), np.int64)
+    for slice_ends, running in series:
+        # The step of this slice that covers the interval closing at each merged end.
+        index = np.searchsorted(slice_ends, ends, side="left")
+        inside = index < len(slice_ends)
+        total[inside] += running[index[inside]]
+    return [(float(t), int(n)) for t, n in zip(ends, total, strict=True)]
+
+
 def median_step_ms(timeline: Sequence[tuple], batch: int | None = None) -> float:
     """Median milliseconds of a rollout's decode steps (those with `batch` running requests;
     all for None), from `EngineStats.timeline`; the first step, which follows prefill, is

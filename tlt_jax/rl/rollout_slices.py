@@ -146,7 +146,7 @@ class RolloutSlices:
         self.last_timeline = list(self.engine.stats.timeline)
         self.last_report = report
         stats = self.group.allgather(f"rollout_stats/{step}", {
-            "tail": [timing.tail_stats(list(s.engine.stats.timeline), self.threshold)
+            "tail": [_tail(list(s.engine.stats.timeline), self.threshold)
                      for s in self.slices],
             "spec": self._spec_metrics(before),
             "spot": report.metrics(),
@@ -270,3 +270,12 @@ def _online_drafter(cfg: TrainConfig, target, drafter, hot):
     if hot is not None and hot_vocab and len(hot) == hot_vocab:
         online.hot_ids = np.asarray(hot, np.int32)
     return online, (drafter_from_params(target, online.params()), online.hot_ids)
+
+
+def _tail(timeline: list[tuple], threshold: int) -> dict[str, Any]:
+    """One slice's `timing.tail_stats` and its (seconds, running) timeline, which
+    `spot.combine_rollout_stats` merges over every process's slices."""
+    return {
+        **timing.tail_stats(timeline, threshold),
+        "timeline": [(round(float(row[0]), 6), int(row[1])) for row in timeline],
+    }

@@ -107,11 +107,13 @@ def tlt_summary(records: list[dict[str, Any]]) -> str:
         for arm, n in (r.get("sd_choices") or {}).items():
             choices[arm] = choices.get(arm, 0) + int(n)
     top = ", ".join(f"{a} x{n}" for a, n in sorted(choices.items(), key=lambda kv: -kv[1])[:6])
+    # SD runs in each slice's own tail (its running requests at most the threshold), so its
+    # seconds compare with the slices' tail seconds; one slice's are the run's.
     sd_tail = sum(float(r.get("sd_tail_s", 0.0)) for r in records)
-    tail = sum(float(r.get("long_tail_s", 0.0)) for r in records)
+    tail = sum(float(r.get("slice_tail_s", r.get("long_tail_s", 0.0))) for r in records)
     return (
         f"TLT: SD in {share:.1%} of decode steps ({sd} steps); acceptance length {accept}; "
-        f"{sd_tail:.1f} of {tail:.1f} tail seconds ran SD; arms (batch bucket/arm) {top}"
+        f"{sd_tail:.1f} of {tail:.1f} tail slice-seconds ran SD; arms (batch bucket/arm) {top}"
     )
 
 

@@ -27,6 +27,7 @@ from flax import nnx
 
 from tlt_jax.drafter.online import OnlineDrafter
 from tlt_jax.drafter.trainer import DRAFTER_OPTIM, DrafterTrainConfig
+from tlt_jax.metrics import timing
 from tlt_jax.parallel.distributed import ProcessGroup
 from tlt_jax.parallel.scheduler import RolloutSlice
 from tlt_jax.programs import ProgramPool
@@ -210,17 +211,27 @@ def gather_completions(group: ProcessGroup, step: int, per_slice, indices, total
 def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict[str, Any]:
     """One step record's rollout fields from every process's `rollout_stats`.
 
-    The long tail is counted in slice-seconds (each slice against its own running requests,
-    which is what its SD decisions see); SD shares and acceptance sum the processes' counters;
+    The long tail (`long_tail_share`, `long_tail_s`) is the run's, in wall time: the seconds
+    in which at most the SD threshold of requests were running over all slices together
+    (`timing.merge_timelines`). Each slice decides SD against its own running requests, so a
+    slice holding no more requests than the threshold is in its own tail from its first step:
+    that view is `slice_tail_share` / `slice_tail_s`, in slice-seconds, and `sd_tail_s` counts
+    the slice-seconds of it that ran SD. SD shares and acceptance sum the processes' counters;
     spot fields (when the run has slices) sum idle and training slice-seconds.
     """
     tails = [t for s in stats for t in s["tail"]]
-    total = sum(t["rollout_decode_s"] for t in tails)
-    tail_s = sum(t["long_tail_s"] for t in tails)
+    threshold = int(stats[0]["spec"]["threshold"])
+    run_tail = timing.tail_stats(
+        timing.merge_timelines([t.get("timeline", ()) for t in tails]), threshold
+    )
+    slice_total = sum(t["rollout_decode_s"] for t in tails)
+    slice_tail = sum(t["long_tail_s"] for t in tails)
     out: dict[str, Any] = {
-        "long_tail_share": tail_s / total if total > 0 else 0.0,
-        "long_tail_s": tail_s,
+        "long_tail_share": run_tail["long_tail_share"],
+        "long_tail_s": run_tail["long_tail_s"],
         "rollout_decode_s": max(t["rollout_decode_s"] for t in tails),
+        "slice_tail_share": slice_tail / slice_total if slice_total > 0 else 0.0,
+        "slice_tail_s": slice_tail,
         "sd_tail_s": sum(t["sd_tail_s"] for t in tails),
     }
     spec = sum(s["spec"]["spec"] for s in stats)
