@@ -4,6 +4,7 @@ end to end (the frozen drafter, the tiny config) through the script."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ from rl_testing import REPO
 from tlt_jax.drafter.export import export_eagle
 from tlt_jax.models.drafter import init_drafter
 from tlt_jax.models.presets import get_preset
-from tlt_jax.rl import bench_accept
+from tlt_jax.rl import accept_probe, bench_accept
 
 
 def _rows(eagle, ngram):
@@ -78,9 +79,30 @@ def test_probe_pairs_each_policy_with_every_drafter_and_summarizes(tmp_path):
     assert list(pairs) == ["spot", "cold"]
     assert pairs["spot"] == {"spot": str(tmp_path / "spot" / "drafter"), "frozen": warm,
                              "cold": str(tmp_path / "cold" / "drafter")}  # fmt: skip
-    probes = {"spot": {"step": 20, "spot": {"accept_len": 2.0}, "frozen": {"accept_len": 1.5},
+    # A run of an earlier invocation under the same root: its drafter is probed too.
+    assert bench_accept.probe_drafters(tmp_path, ["cold"], None) == {
+        "cold": {"cold": str(tmp_path / "cold" / "drafter"),
+                 "spot": str(tmp_path / "spot" / "drafter")}}  # fmt: skip
+    probes = {"spot": {"step": 20, "spot": {"accept_len": 2.0, "accept_len_stderr": 0.3},
+                       "frozen": {"accept_len": 1.5, "accept_len_stderr": 0.4},
                        "ngram": {"accept_len": 1.4}},
               "cold": {"cold": {"accept_len": 1.6}, "ngram": {"accept_len": 1.5}}}  # fmt: skip
     s = bench_accept.summarize_probe(probes)
     assert s == {"spot_policy_spot_minus_frozen": pytest.approx(0.5),
+                 "spot_policy_spot_minus_frozen_stderr": pytest.approx(0.5),  # hypot(0.3, 0.4)
+                 "spot_policy_spot_minus_ngram": pytest.approx(0.6),
                  "cold_policy_cold_minus_ngram": pytest.approx(0.1)}  # fmt: skip
+
+
+def test_acceptance_and_its_stderr_by_hand():
+    # Requests of 5, 1 and 6 tokens in 2, 1 and 3 verify steps (one verified nothing):
+    # r = 12 / 6 = 2; residuals t - r s = 1, -1, 0; stderr sqrt(3 / 2 * 2) / 6.
+    got = accept_probe.accept_stats([[2, 3], [], [1], [4, 1, 1]])
+    assert got["accept_len"] == pytest.approx(2.0) and got["verify_steps"] == 6
+    assert got["accept_len_stderr"] == pytest.approx(math.sqrt(3) / 6)
+    assert accept_probe.accept_stats([[3, 1]])["accept_len_stderr"] is None
+    assert accept_probe.accept_stats([[], []]) == {
+        "accept_len": None,
+        "accept_len_stderr": None,
+        "verify_steps": 0,
+    }

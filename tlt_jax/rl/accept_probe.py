@@ -13,7 +13,7 @@ directory and hot vocabulary).
 from __future__ import annotations
 
 import dataclasses
-import statistics
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,31 @@ def run_config(workdir: str | Path) -> TrainConfig:
     return TrainConfig.from_config_dict(raw)
 
 
+def accept_stats(per_request: list[list[int]]) -> dict[str, Any]:
+    """Tokens per verify step over requests (each a list of its verify steps' accepted
+    lengths), with the standard error of that ratio.
+
+    A request's steps are not independent draws (one hard answer rejects many drafts in a
+    row), so the error treats requests as the samples: the ratio estimator's delta-method
+    standard error, sqrt(n / (n - 1) * sum_i (t_i - r s_i)^2) / sum_i s_i, with t_i the tokens
+    and s_i the verify steps of request i and r = sum t / sum s. None with fewer than two
+    requests that verified anything.
+    """
+    steps = [len(a) for a in per_request if a]
+    tokens = [sum(a) for a in per_request if a]
+    if not steps:
+        return {"accept_len": None, "accept_len_stderr": None, "verify_steps": 0}
+    ratio = sum(tokens) / sum(steps)
+    n = len(steps)
+    stderr = None
+    if n > 1:
+        spread = sum((t - ratio * s) ** 2 for t, s in zip(tokens, steps, strict=True))
+        stderr = math.sqrt(n / (n - 1) * spread) / sum(steps)
+    return {"accept_len": ratio, "accept_len_stderr": stderr, "verify_steps": sum(steps)}
+
+
 def _accept(completions) -> dict[str, Any]:
-    lengths = [n for c in completions for n in c.accepted_lengths]
-    return {"accept_len": statistics.fmean(lengths) if lengths else None,
-            "verify_steps": len(lengths),
+    return {**accept_stats([list(c.accepted_lengths) for c in completions]),
             "tokens": sum(len(c.token_ids) for c in completions)}  # fmt: skip
 
 
@@ -65,7 +86,8 @@ def probe(workdir: str | Path, drafters: Mapping[str, str], *, prompts: int = 16
 
     Returns:
       `{"step": checkpoint step, "requests": n, "strategy": ..., name: {"accept_len",
-      "verify_steps", "tokens"}, ..., "ngram": {...}}`.
+      "accept_len_stderr", "verify_steps", "tokens"}, ..., "ngram": {...}}`
+      (`accept_stats`).
 
     Raises:
       ValueError: for an empty `drafters`, a missing drafter directory or `prompts < 1`.

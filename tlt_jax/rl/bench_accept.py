@@ -92,7 +92,9 @@ def probe_drafters(root: Path, variants: Sequence[str], warm: str | None
     other drafters of the benchmark that exist. The frozen drafter is the warm-up export
     itself, so it is compared on every policy whenever `warm` is given, with or without a
     "frozen" run (whose policy is probed only when it ran)."""
-    own = {v: Path(root) / v / "drafter" for v in ("spot", "cold") if v in variants}
+    # Every trained drafter under `root`, also those of runs an earlier invocation made, so a
+    # run's policy is probed with the other runs' drafters too.
+    own = {v: Path(root) / v / "drafter" for v in ("spot", "cold")}
     if warm:
         own["frozen"] = Path(warm)
     ready = {v: str(d) for v, d in own.items() if d.is_dir()}
@@ -105,11 +107,19 @@ def summarize_probe(probes: dict[str, dict]) -> dict:
     the cold start against the n-gram drafts, over the probe's many verify steps."""
     out = {}
     for policy, p in probes.items():
-        accept = {k: v["accept_len"] for k, v in p.items() if isinstance(v, dict)}
-        if accept.get("spot") is not None and accept.get("frozen") is not None:
-            out[f"{policy}_policy_spot_minus_frozen"] = accept["spot"] - accept["frozen"]
-        if accept.get("cold") is not None and accept.get("ngram") is not None:
-            out[f"{policy}_policy_cold_minus_ngram"] = accept["cold"] - accept["ngram"]
+        figures = {k: v for k, v in p.items() if isinstance(v, dict)}
+        for a, b in (("spot", "frozen"), ("cold", "ngram"), ("spot", "ngram"), ("cold", "spot")):
+            if a not in figures or b not in figures:
+                continue
+            x, y = figures[a], figures[b]
+            if x["accept_len"] is None or y["accept_len"] is None:
+                continue
+            key = f"{policy}_policy_{a}_minus_{b}"
+            out[key] = x["accept_len"] - y["accept_len"]
+            # The drafters sample their own tokens from the same requests: independent errors.
+            errors = [x.get("accept_len_stderr"), y.get("accept_len_stderr")]
+            if all(e is not None for e in errors):
+                out[f"{key}_stderr"] = math.hypot(*errors)
     return out
 
 
@@ -145,7 +155,8 @@ def run(config: str, root: Path, variants: Sequence[str], steps: int, warm: str 
             probes[policy] = accept_probe.probe(Path(root) / policy, drafters,
                                                 prompts=probe_prompts)  # fmt: skip
             log(f"probe on the {policy} run's policy: " + ", ".join(
-                f"{k} {v['accept_len']}" for k, v in probes[policy].items()
+                f"{k} {v['accept_len']} +- {v.get('accept_len_stderr')}"
+                for k, v in probes[policy].items()
                 if isinstance(v, dict)))  # fmt: skip
         result["probe"] = probes
         result["summary"]["probe"] = summarize_probe(probes)
