@@ -58,8 +58,10 @@ SHARES = {"tree_attention_tests": 0.15, "bench_kernels": 0.35, "sd_crossover": 0
           "rl_loop": 0.18}  # fmt: skip
 
 
-DRY_TREE_ATTENTION_TESTS = ("not bfloat16 and (not matches_reference or decode) and "
-                            "not interpret_mode and not ignores_cache and not scale_and")
+DRY_TREE_ATTENTION_TESTS = (
+    "not bfloat16 and (not matches_reference or decode) and "
+    "not interpret_mode and not ignores_cache and not scale_and"
+)
 
 
 def _stage_argv(name: str, out: Path, scratch: Path, budget: float, dry: bool) -> list[str]:
