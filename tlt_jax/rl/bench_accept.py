@@ -34,6 +34,9 @@ VARIANTS = {
 PER_STEP = ("accept_len_eagle", "accept_len_ngram", "sd_steps", "drafter_version",
             "drafter_steps", "drafter_accuracy", "response_len_mean", "long_tail_share",
             "reward_mean")  # fmt: skip
+# The probe's differences (first minus second), on every policy where both were probed.
+PROBE_PAIRS = (("spot", "frozen"), ("cold", "frozen"), ("cold", "ngram"), ("spot", "ngram"),
+               ("cold", "spot"))  # fmt: skip
 LAST_STEPS = 3  # the final acceptance is the mean of the last this many steps that had SD
 
 
@@ -108,7 +111,7 @@ def summarize_probe(probes: dict[str, dict]) -> dict:
     out = {}
     for policy, p in probes.items():
         figures = {k: v for k, v in p.items() if isinstance(v, dict)}
-        for a, b in (("spot", "frozen"), ("cold", "ngram"), ("spot", "ngram"), ("cold", "spot")):
+        for a, b in PROBE_PAIRS:
             if a not in figures or b not in figures:
                 continue
             x, y = figures[a], figures[b]
