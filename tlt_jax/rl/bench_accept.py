@@ -32,8 +32,8 @@ VARIANTS = {
     "cold": ("--config.spot.enabled=True", "--config.spec.drafter="),
 }
 PER_STEP = ("accept_len_eagle", "accept_len_ngram", "sd_steps", "drafter_version",
-            "drafter_steps", "drafter_accuracy", "response_len_mean", "long_tail_share",
-            "reward_mean")  # fmt: skip
+            "drafter_steps", "drafter_accuracy", "response_len_mean", "response_len_max",
+            "long_tail_share", "slice_tail_share", "reward_mean")  # fmt: skip
 # The probe's differences (first minus second), on every policy where both were probed.
 PROBE_PAIRS = (("spot", "frozen"), ("cold", "frozen"), ("cold", "ngram"), ("spot", "ngram"),
                ("cold", "spot"))  # fmt: skip
