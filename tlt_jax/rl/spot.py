@@ -221,9 +221,7 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
     """
     tails = [t for s in stats for t in s["tail"]]
     threshold = int(stats[0]["spec"]["threshold"])
-    run_tail = timing.tail_stats(
-        timing.merge_timelines([t.get("timeline", ()) for t in tails]), threshold
-    )
+    run_tail = timing.tail_stats(timing.merge_timelines([t["timeline"] for t in tails]), threshold)
     slice_total = sum(t["rollout_decode_s"] for t in tails)
     slice_tail = sum(t["long_tail_s"] for t in tails)
     out: dict[str, Any] = {
