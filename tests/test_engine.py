@@ -213,9 +213,13 @@ def test_a_group_shares_its_prompt_prefill_and_keeps_its_own_samples(model):
     assert len({tuple(c.token_ids) for c in got[:6]}) > 1  # the group's samples differ
 
 
-def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model):
+@pytest.mark.parametrize("layers_per_program", [0, 1], ids=["one_program", "layered"])
+def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model, layers_per_program):
     """A policy on a mesh gets a decode state sharded like it (slots over data, cache heads over
-    tensor), kept through prefill, plain and SD steps and across calls; tokens as unsharded."""
+    tensor), kept through prefill, plain and SD steps and across calls; tokens as unsharded.
+    Layered: a layer block's activations come from the inputs program, then from the block
+    before, in other shardings (each compiles its own program); its cache writes need no
+    collective (every device writes its own slots)."""
     from flax import nnx
 
     from tlt_jax.models.drafter import init_drafter
@@ -230,7 +234,8 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model):
     )
     drafter = init_drafter(model.config, 3)
     config = EngineConfig(max_batch_size=4, max_seq_len=128, max_prefill_batch=2,
-                          min_kv_bucket=32)  # fmt: skip
+                          min_kv_bucket=32, layers_per_program=layers_per_program,
+                          one_program_after=0)  # fmt: skip
     policy = FixedPolicy(StepChoice("2,2,4", "eagle"), max_batch=2)
     engines = [RolloutEngine(m, config, drafter=drafter, step_policy=policy)
                for m in (model, sharded)]  # fmt: skip
@@ -251,6 +256,37 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model):
     assert engines[1].stats.spec_steps > 0
     # Caches were resized on the mesh (slots shrinking as the batch drained) and kept sharded.
     assert any(k[0] == "resize" and k[3] < k[1] for k in engines[1].pool.keys())
+    if layers_per_program:
+        blocks = [k for k in engines[1].pool.keys() if k[0] == "layers" and k[5]]
+        assert blocks
+        for key in blocks:
+            text = engines[1].pool.get(key, None, None).as_text()
+            # (tensor parallelism all-reduces the heads' outputs: that one belongs)
+            assert "all-gather" not in text and "all-to-all" not in text, key
+
+
+def test_a_mesh_engine_compiles_a_program_per_input_sharding(model):
+    """On a mesh a compiled program accepts only the input shardings it was compiled for, and
+    one program's output may come in another sharding than the last caller's (SmolLM2's layered
+    verify on a (2, 1) mesh raised here): the engine keys its programs by input sharding too."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tlt_jax.parallel import sharding
+
+    mesh = sharding.make_mesh((2, 2))
+    graphdef, state = nnx.split(model)
+    rules = sharding.rules_for("rollout")
+    sharded = nnx.merge(
+        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
+    )
+    engine = RolloutEngine(sharded, EngineConfig(max_batch_size=4, max_seq_len=64))
+    x = jnp.arange(32.0).reshape(4, 8)
+    for spec in (PartitionSpec("data"), PartitionSpec(), PartitionSpec("data")):
+        arg = jax.device_put(x, NamedSharding(mesh, spec))
+        np.testing.assert_array_equal(engine._program(("probe",), lambda a: 2 * a, arg)(arg),
+                                      2 * x)  # fmt: skip
+    assert len([k for k in engine.pool.keys() if k[0] == "probe"]) == 2
 
 
 def test_a_rollout_starts_from_caches_fitted_to_its_own_requests(model):

@@ -157,6 +157,32 @@ class DecodeCache:
         return DecodeCache(k=self.k[:i] + (k,) + self.k[i + 1 :],
                            v=self.v[:i] + (v,) + self.v[i + 1 :])  # fmt: skip
 
+    def write_rows(self, i: int, positions_BxA: jax.Array, k_BxAxKxH: jax.Array,
+                   v_BxAxKxH: jax.Array) -> DecodeCache:  # fmt: skip
+        """`write_layer` with row b written into slot b (a step's rows are its slots).
+
+        The batch is a batching dimension of the scatter (each row writes only its own slot),
+        so on a batch-sharded mesh every device writes its own rows: no collective. Written
+        over slot indices, the SPMD partitioner all-gathers every layer's indices and new keys
+        and values instead, and on a 2-core host XLA:CPU then deadlocked: one device's
+        independent all-gathers held both pool threads while the other device's partition
+        waited for a thread (BENCHMARKS.md).
+        """
+        if positions_BxA.shape[1] == 1:  # as in `write_layer`: two equal writes stay a scatter
+            positions_BxA = jnp.concatenate([positions_BxA, positions_BxA], axis=1)
+            k_BxAxKxH, v_BxAxKxH = (jnp.concatenate([x, x], axis=1) for x in (k_BxAxKxH, v_BxAxKxH))
+
+        def key_row(row_KxHxS, pos_A, new_AxKxH):
+            return row_KxHxS.at[:, :, pos_A].set(jnp.transpose(new_AxKxH, (1, 2, 0)), mode="drop")
+
+        def value_row(row_KxSxH, pos_A, new_AxKxH):
+            return row_KxSxH.at[:, pos_A].set(jnp.transpose(new_AxKxH, (1, 0, 2)), mode="drop")
+
+        k = jax.vmap(key_row)(self.k[i], positions_BxA, k_BxAxKxH.astype(self.k[i].dtype))
+        v = jax.vmap(value_row)(self.v[i], positions_BxA, v_BxAxKxH.astype(self.v[i].dtype))
+        return DecodeCache(k=self.k[:i] + (k,) + self.k[i + 1 :],
+                           v=self.v[:i] + (v,) + self.v[i + 1 :])  # fmt: skip
+
     def write_positions(self, slots_Bx1: jax.Array, positions_BxA: jax.Array, k_LxBxAxKxH,
                         v_LxBxAxKxH) -> DecodeCache:  # fmt: skip
         """Token-major keys/values of every layer written like `write_layer`."""
@@ -331,13 +357,12 @@ def cached_layers(layers: LayerParams, x_BxTxD: jax.Array, sin_cos, mask_BxTxT: 
     b, t = x_BxTxD.shape[:2]
     if cache.batch != b:
         raise ValueError(f"cache has {cache.batch} slots for a batch of {b} rows")
-    slots_Bx1 = jnp.arange(b, dtype=jnp.int32)[:, None]
     positions_BxT = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     ks, vs = [], []
     for i, params in enumerate(layers):
         q, k, v = _inputs(params, x_BxTxD, sin_cos, config, input_norm)
         if write:
-            cache = cache.write_layer(i, slots_Bx1, positions_BxT, k, v)
+            cache = cache.write_rows(i, positions_BxT, k, v)
         cache_k, cache_v = cache.layer(i)
         if attention_impl == "xla":
             attn = head_major_attention(q, k, v, mask_BxTxT, cache_k, cache_v, starts_B)

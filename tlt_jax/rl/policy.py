@@ -39,11 +39,45 @@ REPORT_THRESHOLD = 32  # TLT's default SD threshold; where plain runs count thei
 log = logging.getLogger(__name__)
 
 
+# Threads XLA:CPU's pool needs per local device of a mesh in one process (measured: a 2-device
+# mesh on a 2-core host deadlocks with the default pool, one thread per core, and runs with 8).
+CPU_POOL_THREADS_PER_DEVICE = 4
+
+
 def build_mesh(settings: ModelSettings) -> Mesh | None:
     """The run's device mesh; None for `mesh_shape == (1, 1)` (one device, no sharding)."""
     if not settings.uses_mesh:
         return None
-    return sharding_lib.make_mesh(settings.mesh_shape, MESH_AXES)
+    mesh = sharding_lib.make_mesh(settings.mesh_shape, MESH_AXES)
+    warn_cpu_pool(mesh)
+    return mesh
+
+
+def warn_cpu_pool(mesh: Mesh) -> None:
+    """Warns when XLA:CPU's thread pool may be too small for this process's part of `mesh`.
+
+    XLA:CPU runs every device's part of a program on one thread pool, as many threads as
+    cores unless `PJRT_NPROC` says otherwise, and a collective blocks its thread until every
+    device arrives. A device whose part holds all threads, some blocked in independent
+    collectives, starves the others: the main job on a (2, 1) mesh of two CPU devices on a
+    2-core host waited 40 s in an all-reduce, then XLA aborted (BENCHMARKS.md). Several
+    processes (`scripts/launch_local.py`) have no shared pool.
+    """
+    import os
+
+    local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    if jax.default_backend() != "cpu" or local < 2:
+        return
+    want = CPU_POOL_THREADS_PER_DEVICE * local
+    have = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")
+    threads = int(have) if have and have.isdigit() else os.cpu_count() or 1
+    if threads < want:
+        log.warning(
+            "a mesh of %d CPU devices in one process shares XLA:CPU's pool of %d threads; "
+            "collectives can deadlock (XLA aborts after 40 s). Set PJRT_NPROC=%d before the "
+            "process starts, or run one process per device (scripts/launch_local.py)",
+            local, threads, want,
+        )  # fmt: skip
 
 
 def model_config(settings: ModelSettings) -> ModelConfig:

@@ -304,6 +304,12 @@ def _step_keys(keys_B: jax.Array, positions_B: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- programs
 
 
+def _sharding_signature(args) -> tuple:
+    """The partition specs of `args`' arrays (what a compiled program's inputs must match)."""
+    return tuple(getattr(getattr(x, "sharding", None), "spec", None)
+                 for x in jax.tree.leaves(args))  # fmt: skip
+
+
 def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens_UxP,
                     prompt_lens_U, rows_B, slots_B, temperature_B, top_k_B, top_p_B, seeds_B, *,
                     greedy_only: bool, drafter_config=None):  # fmt: skip
@@ -650,6 +656,12 @@ class RolloutEngine:
     # -- executable pool -------------------------------------------------------------------
 
     def _program(self, key: tuple, fn: Callable, *args, donate: tuple[int, ...] = ()):
+        if self._mesh is not None:
+            # A compiled program takes its arguments in the shardings it was compiled for, and
+            # on a mesh one program's output need not match the next one's input (a layer
+            # block's activations come from the step's inputs program first, from the block
+            # before after): each sharding of a key compiles a program of its own.
+            key = (*key, _sharding_signature(args))
         if key in self.pool:
             return self.pool.get(key, fn, lambda: args, donate)
         before = self.pool.compile_seconds
