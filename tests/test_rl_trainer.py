@@ -365,6 +365,27 @@ def test_a_trainer_on_a_mesh_lays_its_state_out_as_planned_and_steps_like_one_de
         assert mesh[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
 
 
+def test_a_cpu_mesh_in_one_process_warns_when_the_pool_is_small(monkeypatch, caplog):
+    """XLA:CPU shares one pool (PJRT_NPROC threads, default one per core) among a process's
+    devices, and its collectives block their threads: a mesh gets a warning naming the fix."""
+    import logging
+
+    from tlt_jax.parallel import sharding
+    from tlt_jax.rl import policy
+
+    mesh = sharding.make_mesh((2, 1))
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    with caplog.at_level(logging.WARNING, logger=policy.log.name):
+        policy.warn_cpu_pool(mesh)
+    assert "PJRT_NPROC=8" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("PJRT_NPROC", "8")
+    with caplog.at_level(logging.WARNING, logger=policy.log.name):
+        policy.warn_cpu_pool(mesh)
+    assert not caplog.text
+
+
 def test_sink_features_match_the_policy_forward(tmp_path):
     sink = RecordingSink()
     trainer = Trainer(tiny_config(total_steps=1), tmp_path, feature_sink=sink, progress=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,6 @@ def warn_cpu_pool(mesh: Mesh) -> None:
     2-core host waited 40 s in an all-reduce, then XLA aborted (BENCHMARKS.md). Several
     processes (`scripts/launch_local.py`) have no shared pool.
     """
-    import os
-
     local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
     if jax.default_backend() != "cpu" or local < 2:
         return
