@@ -116,6 +116,10 @@ def print_row(row: dict) -> None:
     if "compiled" in row:
         temps = "  temp (CPU): " + " ".join(f"{k} {_gb(v.get('temp', 0))}"
                                            for k, v in row["compiled"].items())  # fmt: skip
+        # What the partitioner sends per program call (all-gathers and all-reduces).
+        temps += "\n" + " " * 31 + "collectives GB/call: " + " ".join(
+            f"{k} {_gb(sum(b for n, b in v.items() if n.endswith('_bytes')))}"
+            for k, v in row["compiled"].items())  # fmt: skip
     fits = " ".join(f"{chip}={'yes' if ok else 'no'}" for chip, ok in row["fits"].items())
     print(f"{row['preset']:<22} {row['mesh']:>6}  GB/device: {parts}{temps}\n"
           f"{'':<22} {'':>6}  resident {_gb(row['resident_bytes'])}  peak "

@@ -265,6 +265,54 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model, layers_per
             assert "all-gather" not in text and "all-to-all" not in text, key
 
 
+def test_a_data_sharded_engine_keeps_each_slots_math_on_its_device(model):
+    """Slots over 2 devices, sampled with top-p, SD at small batches: the same tokens as one
+    device. Token choice and tree acceptance run per device (`sharding.rowwise`): a plain
+    decode step holds no collective (the partitioner all-gathered the logits for top-p and
+    all-reduced the filter's predicates). A slot move sends one row per device, not every
+    layer's whole cache (it all-gathered the cache onto every device)."""
+    from flax import nnx
+
+    from tlt_jax.models.drafter import init_drafter
+    from tlt_jax.parallel import sharding
+    from tlt_jax.programs import collective_report
+    from tlt_jax.rollout.adaptive import FixedPolicy, StepChoice
+
+    mesh = sharding.make_mesh((2, 1))
+    graphdef, state = nnx.split(model)
+    rules = sharding.rules_for("rollout")
+    sharded = nnx.merge(
+        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
+    )
+    drafter = init_drafter(model.config, 3)
+    config = EngineConfig(max_batch_size=4, max_seq_len=128, max_prefill_batch=2,
+                          min_kv_bucket=32, one_program_after=0)  # fmt: skip
+    policy = FixedPolicy(StepChoice("2,2,4", "eagle"), max_batch=2)
+    sampling = SamplingParams(temperature=0.8, top_p=0.9)
+    rng = np.random.default_rng(4)
+    requests = [Request(rng.integers(0, 256, rng.integers(2, 40)).tolist(),
+                        int(rng.integers(1, 30)), sampling, seed=i) for i in range(6)]  # fmt: skip
+    engines = [RolloutEngine(m, config, drafter=drafter, step_policy=policy)
+               for m in (model, sharded)]  # fmt: skip
+    outs = [[c.token_ids for c in e.generate(requests)] for e in engines]
+    assert outs[0] == outs[1]
+    pool = engines[1].pool
+    decodes = [k for k in pool.keys() if k[0] == "decode"]
+    moves = [k for k in pool.keys() if k[0] == "move"]
+    assert decodes and moves and engines[1].stats.spec_steps > 0
+    for key in decodes:
+        assert collective_report(pool.get(key, None, None)) == {}, key
+    for key in moves:
+        slots = key[1]
+        cache = engine_lib.DecodeState.create(model.config, 4, key[2], drafter.config,
+                                              cache_batch=slots)  # fmt: skip
+        one_slot = sum(x.nbytes for x in jax.tree.leaves(cache) if x.ndim) // slots
+        gathered = collective_report(pool.get(key, None, None)).get("all_gather_bytes", 0)
+        # a row per device (the scalars too: a few bytes over)
+        assert 0 < gathered <= 2 * one_slot + 64, (key, gathered, one_slot)
+    assert max(k[1] for k in moves) == 4  # a move of 4 slots sends 2 rows, not 4
+
+
 def test_a_mesh_engine_compiles_a_program_per_input_sharding(model):
     """On a mesh a compiled program accepts only the input shardings it was compiled for, and
     one program's output may come in another sharding than the last caller's (SmolLM2's layered

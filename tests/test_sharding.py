@@ -219,3 +219,57 @@ def test_sharded_cached_decode(checkpoint, tokens, reference, mesh_shape, role):
             lens = np.minimum(lens + 1, T)
     assert cache.k.sharding.spec == cache_sharding.k.spec
     np.testing.assert_allclose(got, reference, atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------- rows per device
+
+
+def test_collective_report_counts_what_the_partitioner_adds():
+    """Hand-computed: the column sums of a row-sharded [8, 4] float32 array all-reduce one
+    f32[4] (16 bytes); a bfloat16 [2, 3] gathered over 2 devices is bf16[2, 3] (12 bytes)."""
+    from tlt_jax.programs import collective_report
+
+    mesh = sharding.make_mesh((2, 1))
+    rows = NamedSharding(mesh, P("data"))
+    x = jax.device_put(jnp.ones((8, 4)), rows)
+    summed = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P()))
+    assert collective_report(summed.lower(x).compile()) == {"all_reduce": 1,
+                                                            "all_reduce_bytes": 16}  # fmt: skip
+    y = jax.device_put(jnp.ones((2, 3), jnp.bfloat16), rows)
+    gathered = jax.jit(lambda a: a * 2, out_shardings=NamedSharding(mesh, P()))
+    report = collective_report(gathered.lower(y).compile())
+    assert report["all_gather"] == 1 and report["all_gather_bytes"] in (12, 24)  # f32 on CPU
+    assert collective_report(jax.jit(lambda a: a * 2).lower(x).compile()) == {}
+
+
+def test_rowwise_keeps_row_math_on_each_device():
+    """Token choice with top-p over a data-sharded batch: the partitioner all-gathers the
+    logits for `top_k` and all-reduces the filter's predicates; `rowwise` under
+    `rows_per_device` runs each device's rows alone (no collective) with the same tokens and
+    logprobs; a batch the axis does not divide falls back to the plain function."""
+    from tlt_jax.programs import collective_report
+    from tlt_jax.rollout.sampling import choose_tokens
+
+    mesh = sharding.make_mesh((2, 1))
+    rows = NamedSharding(mesh, P("data"))
+
+    def args(b):
+        logits = jax.random.normal(jax.random.key(0), (b, 512)) * 3
+        keys = jax.random.split(jax.random.key(1), b)
+        return (logits, jnp.full((b,), 0.8), jnp.zeros((b,), jnp.int32), jnp.full((b,), 0.9),
+                keys)  # fmt: skip
+
+    def choose():  # a fresh function per trace: jit's trace cache ignores the context
+        return lambda *a: sharding.rowwise(choose_tokens)(*a, greedy_only=False)
+
+    plain = jax.jit(choose()).lower(*args(4)).compile()
+    placed = [jax.device_put(a, rows) for a in args(4)]
+    partitioned = jax.jit(choose()).lower(*placed).compile()
+    assert collective_report(partitioned).get("all_gather", 0) >= 1
+    with sharding.rows_per_device(mesh):
+        local = jax.jit(choose()).lower(*placed).compile()
+        odd = jax.jit(choose()).lower(*args(3))  # 3 rows over 2 devices: the plain function
+    assert collective_report(local) == {}
+    for got, want in zip(local(*placed), plain(*args(4)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert "shard_map" not in odd.as_text() and "shmap" not in odd.as_text()

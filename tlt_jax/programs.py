@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +35,30 @@ def memory_report(compiled) -> dict[str, int]:
     names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
              "temp_size_in_bytes", "generated_code_size_in_bytes")  # fmt: skip
     return {n.removesuffix("_size_in_bytes"): int(getattr(analysis, n, 0) or 0) for n in names}
+
+
+_COLLECTIVE = re.compile(
+    r"= (.+?) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)(?:-start)?\("
+)
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
+
+
+def collective_report(compiled) -> dict[str, int]:
+    """Collectives in a compiled program: count and output bytes (per device) by kind.
+
+    From the partitioned HLO text, so it says what the SPMD partitioner added: e.g. an
+    all-gather of a batch-sharded array that a program indexes by row.
+    """
+    report: dict[str, int] = {}
+    for match in _COLLECTIVE.finditer(compiled.as_text()):
+        kind = match.group(2).replace("-", "_")
+        size = 0
+        for dtype, dims in _ARRAY.findall(match.group(1)):
+            bits = 8 if dtype == "pred" else int(re.match(r"[a-z]+(\d+)", dtype).group(1))
+            size += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+        report[kind] = report.get(kind, 0) + 1
+        report[f"{kind}_bytes"] = report.get(f"{kind}_bytes", 0) + size
+    return report
 
 
 def abstract_like(tree):

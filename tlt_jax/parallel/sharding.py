@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -217,9 +218,10 @@ def abstract_module_state(
 def use_sharding(mesh: AnyMesh, rules: Rules) -> Iterator[ShardingContext]:
     """Within the block, `constrain` maps logical activation axes onto `mesh` with `rules`.
 
-    The context is read when a function is traced, and `jax.jit` does not key its cache on
-    it: trace a jitted function inside the block it is meant for (a fresh `jax.jit` per
-    mesh / rules), or a trace from outside the block is silently reused.
+    The context is read when a function is traced, and jit's trace cache (keyed on the
+    function and the argument types, shared by every `jax.jit` of that function) does not key
+    on it: trace a function of its own inside the block (e.g. a fresh `functools.partial`),
+    or a trace from outside the block is silently reused.
     """
     token = _CONTEXT.set(ShardingContext(mesh, rules))
     try:
@@ -242,3 +244,66 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if ctx is None:
         return x
     return jax.lax.with_sharding_constraint(x, named_sharding(x.shape, names, ctx.mesh, ctx.rules))
+
+
+# ----------------------------------------------------------------------------- rows per device
+
+_ROWS: contextvars.ContextVar[tuple[Mesh, tuple[str, ...]] | None] = contextvars.ContextVar(
+    "tlt_jax_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def rows_per_device(mesh: Mesh, axes: Sequence[str] = ("data",)) -> Iterator[None]:
+    """While tracing inside the block, `rowwise` functions run on each device's own rows.
+
+    For programs whose batch is split over the mesh `axes` (the rollout engine's: slots over
+    `data`). Read at trace time, like `use_sharding`, with the same caveat: trace a function of
+    its own inside the block.
+    """
+    kept = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+    token = _ROWS.set((mesh, kept) if kept else None)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def rows_split(batch: int) -> tuple[Mesh, tuple[str, ...]] | None:
+    """The mesh and axes a batch of `batch` rows is split over per device, under
+    `rows_per_device` and when the axes divide it; else None."""
+    rows = _ROWS.get()
+    if rows is None:
+        return None
+    mesh, axes = rows
+    return None if batch % int(np.prod([mesh.shape[a] for a in axes])) else rows
+
+
+def rowwise(fn: Callable) -> Callable:
+    """Runs `fn` per device on its rows of the batch, under `rows_per_device`.
+
+    `fn`'s positional arguments and outputs are arrays (or pytrees of them) with the batch
+    first, and rows never interact (sampling, acceptance: each row's math reads only its own
+    row). The SPMD partitioner cannot see that: a `top_k` or a scatter over a batch-sharded
+    array all-gathers the batch, and a `lax.cond` on `jnp.any(...)` of the batch all-reduces
+    its predicate, in every step. Under `rows_per_device(mesh)` with a batch the axes divide,
+    `fn` runs inside `jax.shard_map`, manual over those axes only (others, e.g. `tensor`,
+    stay with the partitioner), so the batch needs no collective; a cond's predicate becomes
+    each device's own (the result per row is the same). Elsewhere (one device, a batch the
+    axes do not divide) it is `fn`. Keyword arguments are static and passed through.
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        batch = {x.shape[0] for x in jax.tree.leaves(args)}
+        split = rows_split(batch.pop()) if len(batch) == 1 else None
+        if split is None:
+            return fn(*args, **kwargs)
+        mesh, axes = split
+        spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
+        return jax.shard_map(
+            functools.partial(fn, **kwargs), mesh=mesh, in_specs=(spec,) * len(args),
+            out_specs=spec, axis_names=set(axes), check_vma=False,
+        )(*args)  # fmt: skip
+
+    return wrapped

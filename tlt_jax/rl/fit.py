@@ -11,7 +11,9 @@ allocated) or on a device mesh (then they also compile):
   copy of the policy (`rollout` rules) and a decode state sharded as the engine shards it
   (`engine.decode_state_shardings`: slots over `data`, cache heads over `tensor`);
 - `draft`, `verify`: `speculative.draft_program` / `verify_program` with the EAGLE drafter at the
-  SD threshold's batch and the config's largest verify budget.
+  SD threshold's batch and the config's largest verify budget;
+- `move`: `engine.move_program`, the slot compaction that copies one slot's cache rows into
+  another as the batch drains.
 
 `fit_row` adds up what one device holds in a colocated run (train state, rollout copy and the
 engine's per-layer copy of its layer weights, KV cache at the rollout batch, drafter with its
@@ -24,6 +26,7 @@ temporaries are measured on every mesh the CPU device count covers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -42,7 +45,7 @@ from tlt_jax.models.decode import layer_shardings, unstack_layers
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import abstract_state
 from tlt_jax.parallel import sharding as sharding_lib
-from tlt_jax.programs import memory_report
+from tlt_jax.programs import collective_report, memory_report
 from tlt_jax.rl import policy
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.config import TrainConfig
@@ -51,7 +54,7 @@ from tlt_jax.rollout import speculative
 from tlt_jax.rollout.engine import DecodeState, bucket_for
 from tlt_jax.rollout.speculative import SpecStrategy
 
-PROGRAMS = ("train_grad", "train_apply", "prefill", "decode", "draft", "verify")
+PROGRAMS = ("train_grad", "train_apply", "prefill", "decode", "draft", "verify", "move")
 MESH_SIZES = (8, 64, 256)
 # Accelerator memory per chip (decimal GB, as vendors state it).
 MEMORY_GB = {"H200": 141.0, "TPU v5p": 95.0}
@@ -262,6 +265,13 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
                                       batch=geo.sd_batch, kv_len=kv, greedy_only=greedy,
                                       attention_impl=impl),
             lambda: (rollout_params, layers, drafter_params, sd_state, tree()), (3,), "rollout"),
+        # Slot compaction: one slot's rows copied into another (each device its own rows).
+        "move": (
+            lambda: functools.partial(engine_lib.move_program, mesh=mesh, specs=jax.tree.map(
+                lambda x: x.sharding.spec, state)),
+            lambda: (state, *_structs((jax.ShapeDtypeStruct((), jnp.int32),) * 2, mesh,
+                                      lambda x: ())),
+            (0,), "rollout"),
     }  # fmt: skip
     optimizer = step_lib.make_optimizer(config.optim, config.total_steps)
     schedule = step_lib.learning_rate_schedule(config.optim, config.total_steps)
@@ -275,7 +285,10 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
             )  # fmt: skip
         else:
             make_fn, make_args, donate, role = specs[name]
-            with sharding_lib.use_sharding(mesh, sharding_lib.rules_for(role)):
+            # As the engine lowers them: row math per device (`sharding.rowwise`).
+            rows = (sharding_lib.rows_per_device(mesh) if role == "rollout"
+                    else contextlib.nullcontext())  # fmt: skip
+            with sharding_lib.use_sharding(mesh, sharding_lib.rules_for(role)), rows:
                 traced = jax.jit(make_fn(), donate_argnums=donate).trace(*make_args())
                 lowered[name] = traced.lower(lowering_platforms=(platform,))
         seconds[name] = time.perf_counter() - start
@@ -289,10 +302,15 @@ def _draft_fn(graphdef, drafter_config, strategy: SpecStrategy, batch: int, kv: 
 
 
 def compile_memory(programs: Programs) -> dict[str, dict[str, int]]:
-    """XLA's memory analysis of each program (compiled on the programs' device mesh)."""
+    """XLA's memory analysis of each program (compiled on the programs' device mesh) and the
+    collectives the SPMD partitioner put in it (`programs.collective_report`)."""
     if isinstance(programs.mesh, AbstractMesh):
         raise ValueError("compile_memory needs programs lowered on a device mesh, not abstract")
-    return {name: memory_report(lowered.compile()) for name, lowered in programs.lowered.items()}
+    report = {}
+    for name, lowered in programs.lowered.items():
+        compiled = lowered.compile()
+        report[name] = memory_report(compiled) | collective_report(compiled)
+    return report
 
 
 def fit_row(programs: Programs, memory: dict[str, dict[str, int]] | None = None) -> dict:
@@ -308,7 +326,8 @@ def fit_row(programs: Programs, memory: dict[str, dict[str, int]] | None = None)
     resident = sum(v for k, v in sizes.items() if k != "grad_accumulator")
     temps = {k: v.get("temp", 0) for k, v in (memory or {}).items()}
     train_temp = max((temps.get(k, 0) for k in ("train_grad", "train_apply")), default=0)
-    rollout_temp = max((temps.get(k, 0) for k in ("prefill", "decode", "draft", "verify")),
+    rollout_temp = max((temps.get(k, 0) for k in ("prefill", "decode", "draft", "verify",
+                                                  "move")),
                        default=0)  # fmt: skip
     peak = resident + max(sizes["grad_accumulator"] + train_temp, rollout_temp)
     mesh = programs.mesh

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import PartitionSpec
 
 from tlt_jax.models.decode import (
     DecodeCache,
@@ -334,7 +335,7 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     tokens, logprobs = choose_tokens(
         logits_B, temperature_B, top_k_B, top_p_B, step_keys, greedy_only=greedy_only
     )
-    cache = state.cache.write_prefix(slots_B, NewKV(k=new.k[:, rows_B], v=new.v[:, rows_B]))
+    cache = _write_prompts(state.cache, slots_B, rows_B, new)
 
     def put(arr, values):
         return arr.at[slots_B].set(values, mode="drop")
@@ -358,6 +359,34 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     return state, tokens, logprobs
 
 
+def _write_prompts(cache: DecodeCache, slots_B, rows_B, new: NewKV) -> DecodeCache:
+    """Prompt row `rows_B[b]`'s keys and values into slot `slots_B[b]` (prefix sharing).
+
+    On a mesh with slots over `data` (`sharding.rows_split`), each device writes its own
+    slots from the distinct prompts' keys and values (U rows, gathered once). Left to the
+    partitioner, the scatter gathered the B expanded rows (every sample of every prompt) onto
+    every device, each layer: a GRPO group of G samples sent G times the bytes.
+    """
+
+    def write(cache, slots_B, rows_B, k, v):
+        return cache.write_prefix(slots_B, NewKV(k=k[:, rows_B], v=v[:, rows_B]))
+
+    split = sharding_lib.rows_split(cache.batch)
+    if split is None:
+        return write(cache, slots_B, rows_B, new.k, new.v)
+    mesh, axes = split
+
+    def local(cache, slots_B, rows_B, k, v):
+        first = jax.lax.axis_index(axes) * cache.batch  # this device's first slot
+        mine = (slots_B >= first) & (slots_B < first + cache.batch)
+        return write(cache, jnp.where(mine, slots_B - first, cache.batch), rows_B, k, v)
+
+    slots, whole = PartitionSpec(axes if len(axes) > 1 else axes[0]), PartitionSpec()
+    return jax.shard_map(local, mesh=mesh, in_specs=(slots, whole, whole, whole, whole),
+                         out_specs=slots, axis_names=set(axes),
+                         check_vma=False)(cache, slots_B, rows_B, new.k, new.v)  # fmt: skip
+
+
 def decode_inputs(graphdef, params, state: DecodeState, *, batch: int) -> ForwardInputs:
     """A decode step's layer inputs: slots [0, batch)'s last tokens embedded at their
     lengths, attending to the cache below them."""
@@ -376,7 +405,9 @@ def decode_outputs(graphdef, params, state: DecodeState, drafter_params, x_Bx1xD
     lengths = state.lengths[:batch]
     features = final_features(model, x_Bx1xD)
     logits = model.logits(features)[:, 0]
-    tokens, logprobs = choose_tokens(
+    # Rows are slots: on a mesh each device chooses its own slots' tokens (a prefill's rows are
+    # admitted requests, scattered into slots afterwards: there the partitioner places them).
+    tokens, logprobs = sharding_lib.rowwise(choose_tokens)(
         logits, state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
         _step_keys(state.keys[:batch], lengths + 1), greedy_only=greedy_only,
     )  # fmt: skip
@@ -452,9 +483,22 @@ def fresh_program(state: DecodeState, *, config, drafter_config, batch: int, kv_
                          draft=draft)  # fmt: skip
 
 
-def _move_slot(state: DecodeState, src, dst):
-    """Copies slot `src` (its cache rows and scalars) into slot `dst`."""
+def move_program(state: DecodeState, src, dst, *, mesh: jax.sharding.Mesh | None = None,
+               specs=None):  # fmt: skip
+    """Copies slot `src` (its cache rows and scalars) into slot `dst`.
+
+    On a `mesh` (`specs`: the state's partition specs), each device moves rows of its own
+    shard: the source row travels to the devices (one row per device, `_move_local`). Left to
+    the SPMD partitioner, the dynamic row index all-gathered every layer's whole cache onto
+    every device, for each move (at a 7B preset's rollout batch, gigabytes per layer).
+    """
     _count_trace("move_slot")
+    if mesh is not None:
+        return jax.shard_map(
+            functools.partial(_move_local, specs=specs), mesh=mesh,
+            in_specs=(specs, PartitionSpec(), PartitionSpec()), out_specs=specs,
+            check_vma=False,
+        )(state, src, dst)  # fmt: skip
 
     def move(arr):
         return arr.at[dst].set(arr[src])
@@ -469,6 +513,29 @@ def _move_slot(state: DecodeState, src, dst):
         keys=move(state.keys),
         draft=None if state.draft is None else state.draft.moved(src, dst),
     )
+
+
+def _move_local(state: DecodeState, src, dst, *, specs) -> DecodeState:
+    """`move_program` on one device's shard of every array (inside `shard_map`)."""
+
+    def move(x, spec):
+        axes = spec[0] if len(spec) else None
+        if axes is None:  # slots replicated (a slot count the mesh does not divide)
+            return jax.lax.dynamic_update_index_in_dim(
+                x, jax.lax.dynamic_index_in_dim(x, src, 0, keepdims=True), dst, 0)  # fmt: skip
+        rows = x.shape[0]  # this device holds slots [device * rows, (device + 1) * rows)
+        keys = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        local = jax.random.key_data(x) if keys else x
+        row = jax.lax.dynamic_index_in_dim(local, src % rows, 0, keepdims=True)
+        row = jax.lax.dynamic_index_in_dim(jax.lax.all_gather(row, axes, tiled=True),
+                                           src // rows, 0, keepdims=True)  # fmt: skip
+        here = jax.lax.axis_index(axes) == dst // rows
+        kept = jax.lax.dynamic_index_in_dim(local, dst % rows, 0, keepdims=True)
+        local = jax.lax.dynamic_update_index_in_dim(local, jnp.where(here, row, kept),
+                                                    dst % rows, 0)  # fmt: skip
+        return jax.random.wrap_key_data(local, impl=jax.random.key_impl(x)) if keys else local
+
+    return jax.tree.map(move, state, specs)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -665,7 +732,14 @@ class RolloutEngine:
         if key in self.pool:
             return self.pool.get(key, fn, lambda: args, donate)
         before = self.pool.compile_seconds
-        program = self.pool.get(key, fn, lambda: args, donate, sharded=False)
+        # On a mesh, row-independent math (token choice, tree acceptance) runs on each
+        # device's own slots: no collective over the batch (`sharding.rowwise`).
+        rows = contextlib.nullcontext()
+        if self._mesh is not None:
+            rows = sharding_lib.rows_per_device(self._mesh)
+            fn = functools.partial(fn)  # a fresh trace: jit's trace cache ignores the context
+        with rows:
+            program = self.pool.get(key, fn, lambda: args, donate, sharded=False)
         self.stats.compile_seconds += self.pool.compile_seconds - before
         self.stats.compile_count += 1
         return program
@@ -849,8 +923,12 @@ class RolloutEngine:
     def _move(self, src: int, dst: int) -> None:
         cache = self.state.cache
         src_a, dst_a = np.int32(src), np.int32(dst)
-        program = self._program(("move", cache.batch, cache.length), _move_slot, self.state,
-                                src_a, dst_a, donate=(0,))  # fmt: skip
+        fn = move_program
+        if self._mesh is not None:
+            specs = jax.tree.map(lambda x: x.sharding.spec, self.state)
+            fn = functools.partial(move_program, mesh=self._mesh, specs=specs)
+        program = self._program(("move", cache.batch, cache.length), fn, self.state, src_a,
+                                dst_a, donate=(0,))  # fmt: skip
         self.state = program(self.state, src_a, dst_a)
 
     # -- generation ------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decode import DecodeCache, ForwardInputs, block_program, final_features
 from tlt_jax.models.drafter import DrafterParams, drafter_decode, drafter_forward
 from tlt_jax.models.transformer import NewKV, causal_mask
+from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.rollout.acceptance import accept_tree
 from tlt_jax.rollout.draft_tree import Candidates, DraftTree, build_tree, draft_candidates
 
@@ -254,7 +255,8 @@ def verify_outputs(graphdef, drafter_config: ModelConfig, params, drafter_params
     lengths = state.lengths[:batch]
     features_BxTxD = final_features(model, x_BxTxD)
     logits_BxTxV = model.logits(features_BxTxD)
-    result = accept_tree(
+    # Rows are slots: on a mesh each device accepts its own slots' trees.
+    result = sharding_lib.rowwise(accept_tree)(
         logits_BxTxV, tree.tokens_BxT, tree.parents_BxT, tree.positions_BxT,
         state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
         state.keys[:batch], greedy_only=greedy_only, residual=residual,
