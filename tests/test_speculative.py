@@ -399,6 +399,44 @@ def test_eager_drafter_sync_in_plain_steps(aligned):
     _assert_drafter_matches_reference(model, drafter, state, prompts, tokens, start + 7)
 
 
+def test_group_prefill_runs_the_drafter_once_per_prompt(aligned):
+    """Two prompts shared by 6 slots in another order (a GRPO prefill), sampled first tokens:
+    the drafter runs over the 2 distinct prompts, then one step per slot for its own first
+    token. Each slot's drafter cache and next feature equal the drafter over that slot's own
+    sequence (prompt + first token), and an unused row (slot = Bmax) writes nothing."""
+    model, drafter = aligned
+    graphdef, params = nnx.split(model)
+    prompts = random_prompts(2, model.config.vocab_size, seed=3)
+    tokens = np.zeros((2, 12), np.int32)
+    for i, prompt in enumerate(prompts):
+        tokens[i, : len(prompt)] = prompt
+    lens = np.array([len(p) for p in prompts], np.int32)
+    rows = np.array([1, 0, 0, 1, 1, 0, 0], np.int32)
+    slots = np.array([4, 0, 2, 1, 5, 3, 6], np.int32)  # the last row is unused (6 = Bmax)
+    state = engine_lib.DecodeState.create(model.config, 6, KV_LEN, drafter.config)
+    prefill = _jit(engine_lib.prefill_program, graphdef, greedy_only=False,
+                   drafter_config=drafter.config)  # fmt: skip
+    n = len(rows)
+    state, first, _ = prefill(
+        params, drafter.params_dict(), state, tokens, lens, rows, slots,
+        np.full((n,), 1.5, np.float32), np.zeros((n,), np.int32), np.ones((n,), np.float32),
+        np.arange(n, dtype=np.uint32),
+    )  # fmt: skip
+    first = np.asarray(first)
+    assert len({int(f) for f, r in zip(first, rows, strict=True) if r == 0}) > 1  # samples differ
+    order = np.argsort(slots[:-1])
+    sequences = [list(prompts[rows[i]]) + [int(first[i])] for i in order]
+    lengths = np.array([len(s) - 1 for s in sequences])
+    np.testing.assert_array_equal(np.asarray(state.draft.lengths), lengths)
+    _, dnew, g = _reference_states(model, drafter, sequences)
+    draft_cache = state.draft.cache.token_major()
+    for slot, m in enumerate(lengths):
+        for got, want in ((draft_cache.k, dnew.k), (draft_cache.v, dnew.v)):
+            np.testing.assert_allclose(got[:, slot, :m], want[:, slot, :m], atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(state.draft.feature[slot], g[slot, m - 1], atol=2e-5,
+                                   rtol=1e-4)  # fmt: skip
+
+
 def test_pallas_attention_matches_xla(aligned):
     """The SD programs with the Pallas tree-attention kernel (interpret mode on CPU)."""
     model, drafter = aligned

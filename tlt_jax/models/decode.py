@@ -33,6 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.transformer import (
@@ -46,7 +47,7 @@ from tlt_jax.models.transformer import (
     rope_inv_freq,
     rope_sin_cos,
 )
-from tlt_jax.parallel.sharding import AnyMesh, Rules, constrain, named_sharding
+from tlt_jax.parallel.sharding import AnyMesh, Rules, constrain, named_sharding, rows_split
 
 LayerParams = tuple[dict[str, jax.Array], ...]
 # Logical axes of a `DecodeCache` layer's keys and values.
@@ -197,6 +198,34 @@ class DecodeCache:
         t = new.k.shape[2]
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (slots_B.shape[0], t))
         return self.write_positions(slots_B[:, None], positions, new.k, new.v)
+
+    def write_prompts(self, slots_B: jax.Array, rows_B: jax.Array, new: NewKV) -> DecodeCache:
+        """`write_prefix` of prompt row `rows_B[b]` of `new` into slot `slots_B[b]` (prefix
+        sharing: the G samples of a GRPO group take one prompt row).
+
+        Under `sharding.rows_per_device` with slots over `data`, each device writes its own
+        slots from the distinct prompts' keys and values (U rows, gathered once). Left to the
+        partitioner, the scatter gathered the B expanded rows (every sample of every prompt)
+        onto every device, each layer: a group of G samples sent G times the bytes.
+        """
+
+        def write(cache, slots_B, rows_B, k, v):
+            return cache.write_prefix(slots_B, NewKV(k=k[:, rows_B], v=v[:, rows_B]))
+
+        split = rows_split(self.batch)
+        if split is None:
+            return write(self, slots_B, rows_B, new.k, new.v)
+        mesh, axes = split
+
+        def local(cache, slots_B, rows_B, k, v):
+            first = jax.lax.axis_index(axes) * cache.batch  # this device's first slot
+            mine = (slots_B >= first) & (slots_B < first + cache.batch)
+            return write(cache, jnp.where(mine, slots_B - first, cache.batch), rows_B, k, v)
+
+        slots, whole = PartitionSpec(axes if len(axes) > 1 else axes[0]), PartitionSpec()
+        return jax.shard_map(local, mesh=mesh, in_specs=(slots, whole, whole, whole, whole),
+                             out_specs=slots, axis_names=set(axes),
+                             check_vma=False)(self, slots_B, rows_B, new.k, new.v)  # fmt: skip
 
     def moved(self, src, dst) -> DecodeCache:
         """Slot `src` copied into slot `dst` (every position: the cache is its kv bucket)."""

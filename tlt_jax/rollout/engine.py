@@ -59,7 +59,7 @@ from tlt_jax.models.decode import (
     unstack_layers,
 )
 from tlt_jax.models.drafter import Drafter
-from tlt_jax.models.transformer import NewKV, Transformer, causal_mask
+from tlt_jax.models.transformer import Transformer, causal_mask
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.programs import ProgramPool
 from tlt_jax.rollout import speculative
@@ -335,7 +335,7 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     tokens, logprobs = choose_tokens(
         logits_B, temperature_B, top_k_B, top_p_B, step_keys, greedy_only=greedy_only
     )
-    cache = _write_prompts(state.cache, slots_B, rows_B, new)
+    cache = state.cache.write_prompts(slots_B, rows_B, new)
 
     def put(arr, values):
         return arr.at[slots_B].set(values, mode="drop")
@@ -343,8 +343,8 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     draft = state.draft
     if drafter_params is not None:
         draft = speculative.prefill_drafter(
-            drafter_params, drafter_config, model.embed.get_value(), draft, tokens_UxP[rows_B],
-            features_UxPxD[rows_B], prompt_lens_B, tokens, slots_B,
+            drafter_params, drafter_config, model.embed.get_value(), draft, tokens_UxP,
+            features_UxPxD, prompt_lens_U, rows_B, tokens, slots_B,
         )  # fmt: skip
     state = DecodeState(
         cache=cache,
@@ -357,34 +357,6 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
         draft=draft,
     )
     return state, tokens, logprobs
-
-
-def _write_prompts(cache: DecodeCache, slots_B, rows_B, new: NewKV) -> DecodeCache:
-    """Prompt row `rows_B[b]`'s keys and values into slot `slots_B[b]` (prefix sharing).
-
-    On a mesh with slots over `data` (`sharding.rows_split`), each device writes its own
-    slots from the distinct prompts' keys and values (U rows, gathered once). Left to the
-    partitioner, the scatter gathered the B expanded rows (every sample of every prompt) onto
-    every device, each layer: a GRPO group of G samples sent G times the bytes.
-    """
-
-    def write(cache, slots_B, rows_B, k, v):
-        return cache.write_prefix(slots_B, NewKV(k=k[:, rows_B], v=v[:, rows_B]))
-
-    split = sharding_lib.rows_split(cache.batch)
-    if split is None:
-        return write(cache, slots_B, rows_B, new.k, new.v)
-    mesh, axes = split
-
-    def local(cache, slots_B, rows_B, k, v):
-        first = jax.lax.axis_index(axes) * cache.batch  # this device's first slot
-        mine = (slots_B >= first) & (slots_B < first + cache.batch)
-        return write(cache, jnp.where(mine, slots_B - first, cache.batch), rows_B, k, v)
-
-    slots, whole = PartitionSpec(axes if len(axes) > 1 else axes[0]), PartitionSpec()
-    return jax.shard_map(local, mesh=mesh, in_specs=(slots, whole, whole, whole, whole),
-                         out_specs=slots, axis_names=set(axes),
-                         check_vma=False)(cache, slots_B, rows_B, new.k, new.v)  # fmt: skip
 
 
 def decode_inputs(graphdef, params, state: DecodeState, *, batch: int) -> ForwardInputs:
@@ -488,7 +460,7 @@ def move_program(state: DecodeState, src, dst, *, mesh: jax.sharding.Mesh | None
     """Copies slot `src` (its cache rows and scalars) into slot `dst`.
 
     On a `mesh` (`specs`: the state's partition specs), each device moves rows of its own
-    shard: the source row travels to the devices (one row per device, `_move_local`). Left to
+    shard: the source row reaches the devices in one all-reduce (`_move_local`). Left to
     the SPMD partitioner, the dynamic row index all-gathered every layer's whole cache onto
     every device, for each move (at a 7B preset's rollout batch, gigabytes per layer).
     """
@@ -526,10 +498,12 @@ def _move_local(state: DecodeState, src, dst, *, specs) -> DecodeState:
         rows = x.shape[0]  # this device holds slots [device * rows, (device + 1) * rows)
         keys = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
         local = jax.random.key_data(x) if keys else x
+        device = jax.lax.axis_index(axes)
         row = jax.lax.dynamic_index_in_dim(local, src % rows, 0, keepdims=True)
-        row = jax.lax.dynamic_index_in_dim(jax.lax.all_gather(row, axes, tiled=True),
-                                           src // rows, 0, keepdims=True)  # fmt: skip
-        here = jax.lax.axis_index(axes) == dst // rows
+        # One row reaches every device: the owner's, the others add zeros (an all-gather of
+        # each device's candidate row would send a row per device: 64 on a 64-way axis).
+        row = jax.lax.psum(jnp.where(device == src // rows, row, jnp.zeros_like(row)), axes)
+        here = device == dst // rows
         kept = jax.lax.dynamic_index_in_dim(local, dst % rows, 0, keepdims=True)
         local = jax.lax.dynamic_update_index_in_dim(local, jnp.where(here, row, kept),
                                                     dst % rows, 0)  # fmt: skip

@@ -39,7 +39,7 @@ from flax import nnx, struct
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decode import DecodeCache, ForwardInputs, block_program, final_features
 from tlt_jax.models.drafter import DrafterParams, drafter_decode, drafter_forward
-from tlt_jax.models.transformer import NewKV, causal_mask
+from tlt_jax.models.transformer import KVCache, NewKV, causal_mask
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.rollout.acceptance import accept_tree
 from tlt_jax.rollout.draft_tree import Candidates, DraftTree, build_tree, draft_candidates
@@ -164,34 +164,49 @@ def extend_drafter(params, config, embed_VxD, draft: DraftState, next_tokens_BxA
 
 
 def prefill_drafter(params: DrafterParams, config: ModelConfig, embed_VxD: jax.Array,
-                    draft: DraftState, tokens_BxP: jax.Array, features_BxPxD: jax.Array,
-                    prompt_lens_B: jax.Array, first_tokens_B: jax.Array,
+                    draft: DraftState, tokens_UxP: jax.Array, features_UxPxD: jax.Array,
+                    prompt_lens_U: jax.Array, rows_B: jax.Array, first_tokens_B: jax.Array,
                     slots_B: jax.Array) -> DraftState:  # fmt: skip
     """The drafter over freshly prefilled prompts: pairs (x[p+1], f[p]) for p < prompt_len.
+
+    Slot `slots_B[b]` takes prompt row `rows_B[b]` (the engine's prefix sharing). The pairs
+    before a prompt's last position are the same for every sample of the prompt: the drafter
+    runs once per distinct prompt (U rows), and they are written into each of its slots. The
+    last pair (the sampled first token, f[len - 1]) is each slot's own: one drafter step per
+    slot, attending to its prompt's pairs. A GRPO group of G samples costs one prompt's
+    drafter pass, not G (and on a mesh sends one prompt's keys and values, not G).
 
     Args:
       params / config: the drafter's.
       embed_VxD: the policy's embedding.
       draft: the engine's drafter state.
-      tokens_BxP / features_BxPxD: the right-padded prompts and their target features.
-      prompt_lens_B: prompt lengths; first_tokens_B: the token sampled after each prompt.
+      tokens_UxP / features_UxPxD: the right-padded distinct prompts and their target features.
+      prompt_lens_U: prompt lengths; rows_B: each slot's prompt row.
+      first_tokens_B: the token sampled after each slot's prompt.
       slots_B: destination slots (out of range: dropped), as in the engine's prefill.
 
     Returns:
       The drafter state with those slots in sync (lengths = prompt lengths).
     """
-    b, p = tokens_BxP.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    next_tokens = jnp.concatenate([tokens_BxP[:, 1:], jnp.zeros((b, 1), tokens_BxP.dtype)], 1)
-    next_tokens = jnp.where(positions == prompt_lens_B[:, None] - 1, first_tokens_B[:, None],
-                            next_tokens)  # fmt: skip
-    g_BxPxD, new = drafter_forward(params, config, embed_VxD, next_tokens, features_BxPxD,
-                                   positions)  # fmt: skip
-    last = jnp.take_along_axis(g_BxPxD, (prompt_lens_B - 1)[:, None, None], axis=1)[:, 0]
+    u, p = tokens_UxP.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (u, p))
+    # The pair at len - 1 waits for each sample's first token: written below, per slot.
+    next_tokens = jnp.concatenate([tokens_UxP[:, 1:], jnp.zeros((u, 1), tokens_UxP.dtype)], 1)
+    _, new = drafter_forward(params, config, embed_VxD, next_tokens, features_UxPxD, positions)
+    cache = draft.cache.write_prompts(slots_B, rows_B, new)
+    last_B = prompt_lens_U[rows_B] - 1
+    prompt = KVCache(k=new.k[:, rows_B], v=new.v[:, rows_B])
+    feature_Bx1xD = jnp.take_along_axis(features_UxPxD, (prompt_lens_U - 1)[:, None, None],
+                                        axis=1)[rows_B]  # fmt: skip
+    g_Bx1xD, pair = drafter_forward(params, config, embed_VxD, first_tokens_B[:, None],
+                                    feature_Bx1xD, last_B[:, None], cache=prompt,
+                                    cache_lens_B=last_B)  # fmt: skip
     return DraftState(
-        cache=draft.cache.write_prefix(slots_B, new),
-        lengths=draft.lengths.at[slots_B].set(prompt_lens_B, mode="drop"),
-        feature=draft.feature.at[slots_B].set(last.astype(draft.feature.dtype), mode="drop"),
+        cache=cache.write_positions(slots_B[:, None], last_B[:, None], pair.k, pair.v),
+        lengths=draft.lengths.at[slots_B].set(last_B + 1, mode="drop"),
+        feature=draft.feature.at[slots_B].set(
+            g_Bx1xD[:, 0].astype(draft.feature.dtype), mode="drop"
+        ),  # fmt: skip
     )
 
 
