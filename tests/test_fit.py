@@ -67,7 +67,7 @@ def test_7b_programs_lower_on_an_abstract_8_device_mesh(qwen7b):
 def test_compiled_7b_decode_reports_memory_and_a_verdict(qwen7b):
     config, model = qwen7b
     mesh = fit.make_mesh((2, 4), jax.devices("cpu"))
-    programs = fit.lower_programs(config, model, mesh, only=("decode", "draft"))
+    programs = fit.lower_programs(config, model, mesh, only=("decode", "draft", "move"))
     memory = fit.compile_memory(programs)
     # The decode step's arguments: the per-layer weights, the decode state and the drafter (the
     # stacked layer weights are unused there, and pruned).
@@ -75,10 +75,16 @@ def test_compiled_7b_decode_reports_memory_and_a_verdict(qwen7b):
     assert sizes["rollout_layers"] > 0.8 * sizes["rollout_params"]
     assert memory["decode"]["argument"] >= sizes["rollout_layers"] + sizes["kv_cache"]
     assert memory["decode"]["alias"] > 0  # the state is donated, updated in place
+    # A slot move sends one slot's rows (float32 on CPU: twice the bfloat16 bytes), not the
+    # cache: the partitioner's own placement all-gathered every layer's whole cache.
+    one_slot = sizes["kv_cache"] // (programs.geometry.rollout_batch // 2)
+    sent = sum(v for k, v in memory["move"].items() if k.endswith("_bytes"))
+    assert 0 < sent <= 3 * one_slot, (sent, one_slot)
     row = fit.fit_row(programs, memory)
     expected_peak = sum(v for k, v in sizes.items() if k != "grad_accumulator") + max(
-        sizes["grad_accumulator"], memory["decode"]["temp"], memory["draft"]["temp"]
-    )
+        sizes["grad_accumulator"], memory["decode"]["temp"], memory["draft"]["temp"],
+        memory["move"]["temp"],
+    )  # fmt: skip
     assert row["peak_bytes"] == expected_peak
     assert row["fits"] == {chip: expected_peak <= 0.9 * gb * 1e9
                            for chip, gb in fit.MEMORY_GB.items()}  # fmt: skip
