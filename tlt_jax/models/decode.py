@@ -32,7 +32,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec
 
@@ -216,19 +215,17 @@ class DecodeCache:
         split = rows_split(self.batch)
         if split is None:
             return write(self, slots_B, rows_B, new.k, new.v)
-        mesh, axes = split
 
         def local(cache, first_1, slots_B, rows_B, k, v):
             first = first_1[0]  # this device's first slot
             mine = (slots_B >= first) & (slots_B < first + cache.batch)
             return write(cache, jnp.where(mine, slots_B - first, cache.batch), rows_B, k, v)
 
-        slots, whole = PartitionSpec(axes if len(axes) > 1 else axes[0]), PartitionSpec()
-        devices = int(np.prod([mesh.shape[a] for a in axes]))
-        firsts = jnp.arange(devices, dtype=jnp.int32) * (self.batch // devices)
-        layer_write = jax.shard_map(local, mesh=mesh, in_specs=(slots, slots) + (whole,) * 4,
-                                    out_specs=slots, axis_names=set(axes),
-                                    check_vma=False)  # fmt: skip
+        slots, whole = split.spec, PartitionSpec()
+        firsts = jnp.arange(split.devices, dtype=jnp.int32) * (self.batch // split.devices)
+        layer_write = jax.shard_map(local, mesh=split.mesh,
+                                    in_specs=(slots, slots) + (whole,) * 4, out_specs=slots,
+                                    axis_names=set(split.axes), check_vma=False)  # fmt: skip
         # A layer at a time: each gathers one layer's prompt rows, not all layers' at once.
         layers = [layer_write(self.block(i, i + 1), firsts, slots_B, rows_B, new.k[i : i + 1],
                               new.v[i : i + 1]) for i in range(self.num_layers)]  # fmt: skip

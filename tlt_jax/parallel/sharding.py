@@ -19,6 +19,7 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -248,9 +249,19 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 # ----------------------------------------------------------------------------- rows per device
 
-_ROWS: contextvars.ContextVar[tuple[Mesh, tuple[str, ...]] | None] = contextvars.ContextVar(
-    "tlt_jax_rows", default=None
-)
+
+class RowSplit(NamedTuple):
+    """How `rows_per_device` splits a batch: over `axes` of `mesh`, `devices` ways, each
+    device's rows given by `spec` (a `shard_map` spec)."""
+
+    mesh: Mesh
+    axes: tuple[str, ...]
+    devices: int
+    spec: PartitionSpec
+
+
+_ROWS: contextvars.ContextVar[RowSplit | None] = contextvars.ContextVar("tlt_jax_rows",
+                                                                       default=None)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -262,21 +273,22 @@ def rows_per_device(mesh: Mesh, axes: Sequence[str] = ("data",)) -> Iterator[Non
     its own inside the block.
     """
     kept = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
-    token = _ROWS.set((mesh, kept) if kept else None)
+    split = None
+    if kept:
+        devices = int(np.prod([mesh.shape[a] for a in kept]))
+        split = RowSplit(mesh, kept, devices, PartitionSpec(kept if len(kept) > 1 else kept[0]))
+    token = _ROWS.set(split)
     try:
         yield
     finally:
         _ROWS.reset(token)
 
 
-def rows_split(batch: int) -> tuple[Mesh, tuple[str, ...]] | None:
-    """The mesh and axes a batch of `batch` rows is split over per device, under
-    `rows_per_device` and when the axes divide it; else None."""
-    rows = _ROWS.get()
-    if rows is None:
-        return None
-    mesh, axes = rows
-    return None if batch % int(np.prod([mesh.shape[a] for a in axes])) else rows
+def rows_split(batch: int) -> RowSplit | None:
+    """How a batch of `batch` rows is split per device, under `rows_per_device` and when the
+    axes divide it; else None."""
+    split = _ROWS.get()
+    return None if split is None or batch % split.devices else split
 
 
 def rowwise(fn: Callable) -> Callable:
@@ -299,11 +311,9 @@ def rowwise(fn: Callable) -> Callable:
         split = rows_split(batch.pop()) if len(batch) == 1 else None
         if split is None:
             return fn(*args, **kwargs)
-        mesh, axes = split
-        spec = PartitionSpec(axes if len(axes) > 1 else axes[0])
         return jax.shard_map(
-            functools.partial(fn, **kwargs), mesh=mesh, in_specs=(spec,) * len(args),
-            out_specs=spec, axis_names=set(axes), check_vma=False,
+            functools.partial(fn, **kwargs), mesh=split.mesh, in_specs=(split.spec,) * len(args),
+            out_specs=split.spec, axis_names=set(split.axes), check_vma=False,
         )(*args)  # fmt: skip
 
     return wrapped
