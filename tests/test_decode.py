@@ -133,7 +133,7 @@ def test_decode_verify_and_commit_update_the_cache_in_place(b):
 def test_programs_refuse_a_cache_of_another_size(model):
     graphdef, params = nnx.split(model)
     layers = unstack_layers(model.layers.stacked())
-    state = engine_lib.DecodeState.create(model.config, 4, 32, cache_batch=2)
+    state = engine_lib.DecodeState.create(model.config, 2, 32)
     with pytest.raises(ValueError, match="2 slots x 32 positions; this program runs 4 x 32"):
         engine_lib.decode_program(graphdef, params, layers, state, batch=4, kv_len=32,
                                   greedy_only=True)  # fmt: skip

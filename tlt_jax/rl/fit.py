@@ -190,12 +190,10 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
     drafter_opt = jax.eval_shape(drafter_trainer.make_optimizer(config.spot.train_config()).init,
                                  drafter_params)  # fmt: skip
 
-    def decode_state(cache_batch: int):
-        """The decode state with caches of `cache_batch` slots (programs read exact sizes)."""
+    def decode_state(batch: int):
+        """The decode state of `batch` slots (programs read exact sizes)."""
         state = jax.eval_shape(
-            lambda: DecodeState.create(
-                model, geo.rollout_batch, geo.max_seq_len, drafter_config, cache_batch=cache_batch
-            )
+            lambda: DecodeState.create(model, batch, geo.max_seq_len, drafter_config)
         )
         return _placed(state, engine_lib.decode_state_shardings(state, mesh, rollout_rules))
 

@@ -240,33 +240,39 @@ class EngineStats:
 
 @struct.dataclass
 class DecodeState:
-    """Everything a decode step reads and writes; donated to every program."""
+    """Everything a decode step reads and writes; donated to every program.
+
+    Every array has a row per slot, B of them: the batch bucket the caches are sized to
+    (`RolloutEngine._fit_cache` resizes all of them together). So on a mesh a step's per-slot
+    scalars split over the data axis like its cache rows, and a decode or verify step moves
+    no row between devices; only a resize (at a bucket change) does. Scalars of
+    `max_batch_size` rows beside a cache of B did: every step below the full batch read rows
+    [0, B) of arrays split at `max_batch_size`, which resharded them.
+    """
 
     cache: DecodeCache  # per layer: k [B, K, H, S], v [B, K, S, H] (B, S: the current buckets)
-    lengths: jax.Array  # [Bmax] int32, tokens in the cache (= position of last_token)
-    last_token: jax.Array  # [Bmax] int32, the token fed to the next step
-    temperature: jax.Array  # [Bmax] float32
-    top_k: jax.Array  # [Bmax] int32
-    top_p: jax.Array  # [Bmax] float32
-    keys: jax.Array  # [Bmax] typed PRNG keys, one stream per request
+    lengths: jax.Array  # [B] int32, tokens in the cache (= position of last_token)
+    last_token: jax.Array  # [B] int32, the token fed to the next step
+    temperature: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32
+    top_p: jax.Array  # [B] float32
+    keys: jax.Array  # [B] typed PRNG keys, one stream per request
     draft: DraftState | None = None  # the drafter's cache and features (engines with a drafter)
 
     @classmethod
-    def create(cls, config, max_batch: int, max_len: int, drafter_config=None, *,
-               cache_batch: int | None = None) -> DecodeState:  # fmt: skip
-        """Per-slot arrays for `max_batch` slots; caches of `cache_batch` (default all) slots and
-        `max_len` positions."""
-        cache_batch = max_batch if cache_batch is None else cache_batch
+    def create(cls, config, batch: int, max_len: int, drafter_config=None) -> DecodeState:
+        """Zeros for `batch` slots, caches of `max_len` positions (with `drafter_config`, the
+        drafter's too)."""
         draft = None if drafter_config is None else DraftState.create(
-            drafter_config, max_batch, max_len, cache_batch)  # fmt: skip
+            drafter_config, batch, max_len)  # fmt: skip
         return cls(
-            cache=DecodeCache.zeros(config, cache_batch, max_len),
-            lengths=jnp.zeros((max_batch,), jnp.int32),
-            last_token=jnp.zeros((max_batch,), jnp.int32),
-            temperature=jnp.zeros((max_batch,), jnp.float32),
-            top_k=jnp.zeros((max_batch,), jnp.int32),
-            top_p=jnp.ones((max_batch,), jnp.float32),
-            keys=jax.random.split(jax.random.key(0), max_batch),
+            cache=DecodeCache.zeros(config, batch, max_len),
+            lengths=jnp.zeros((batch,), jnp.int32),
+            last_token=jnp.zeros((batch,), jnp.int32),
+            temperature=jnp.zeros((batch,), jnp.float32),
+            top_k=jnp.zeros((batch,), jnp.int32),
+            top_p=jnp.ones((batch,), jnp.float32),
+            keys=jax.random.split(jax.random.key(0), batch),
             draft=draft,
         )
 
@@ -422,37 +428,37 @@ def decode_program(graphdef, params, layers, state: DecodeState, drafter_params=
     return state.replace(cache=cache), tokens, logprobs
 
 
-def resize_program(state: DecodeState, *, batch: int, kv_len: int, shardings=None) -> DecodeState:
-    """The state with its caches (and the drafter's) moved to `batch` slots x `kv_len`
-    positions; `shardings` (a `DecodeState` of shardings, or None) keeps a sharded state so."""
+def resize_program(state: DecodeState, *, config, drafter_config, batch: int, kv_len: int,
+                   shardings=None) -> DecodeState:  # fmt: skip
+    """`state` moved to `batch` slots x `kv_len` positions: the caches (the target's and the
+    drafter's) keep their overlap, the per-slot arrays their first rows (new slots zero);
+    `shardings` (a `DecodeState` of shardings, or None) keeps a sharded state so."""
     _count_trace("resize")
-    draft = state.draft
-    if draft is not None:
-        draft = draft.replace(cache=draft.cache.resized(
-            batch, kv_len, None if shardings is None else shardings.draft.cache))  # fmt: skip
-    cache = state.cache.resized(batch, kv_len, None if shardings is None else shardings.cache)
-    return state.replace(cache=cache, draft=draft)
+
+    def rows(x, zeros):
+        return jax.lax.dynamic_update_slice_in_dim(zeros, x[: min(len(x), len(zeros))], 0, 0)
+
+    blank = without_caches(DecodeState.create(config, batch, 1, drafter_config))
+    out = jax.tree.map(rows, without_caches(state), blank)
+    out = out.replace(cache=state.cache.resized(
+        batch, kv_len, None if shardings is None else shardings.cache))  # fmt: skip
+    if state.draft is not None:
+        out = out.replace(draft=out.draft.replace(cache=state.draft.cache.resized(
+            batch, kv_len, None if shardings is None else shardings.draft.cache)))  # fmt: skip
+    if shardings is None:
+        return out
+    return jax.tree.map(jax.lax.with_sharding_constraint, out, shardings)
 
 
-def fresh_program(state: DecodeState, *, config, drafter_config, batch: int, kv_len: int,
+def fresh_program(*, config, drafter_config, batch: int, kv_len: int,
                   shardings=None) -> DecodeState:  # fmt: skip
-    """`state` (its caches taken out: `without_caches`) with zero caches of `batch` slots x
-    `kv_len` positions: nothing is live when a rollout starts, so nothing is copied, and the
-    program depends on the new size alone."""
+    """A zero state of `batch` slots x `kv_len` positions: nothing is live when a rollout
+    starts, so nothing is copied, and the program depends on the new size alone."""
     _count_trace("fresh")
-
-    def zeros(model_config, sharding):
-        cache = DecodeCache.zeros(model_config, batch, kv_len)
-        if sharding is None:
-            return cache
-        return jax.tree.map(jax.lax.with_sharding_constraint, cache, sharding)
-
-    draft = state.draft
-    if draft is not None:
-        draft = draft.replace(cache=zeros(drafter_config, None if shardings is None
-                                          else shardings.draft.cache))  # fmt: skip
-    return state.replace(cache=zeros(config, None if shardings is None else shardings.cache),
-                         draft=draft)  # fmt: skip
+    state = DecodeState.create(config, batch, kv_len, drafter_config)
+    if shardings is None:
+        return state
+    return jax.tree.map(jax.lax.with_sharding_constraint, state, shardings)
 
 
 def move_program(state: DecodeState, src, dst, *, mesh: jax.sharding.Mesh | None = None,
@@ -605,9 +611,8 @@ class RolloutEngine:
                                self._program, self.ngram, self.forward,
                                self._one_program)  # fmt: skip
         # Caches start at one slot and the smallest kv bucket; `_fit_cache` sizes them.
-        self.state = DecodeState.create(model.config, config.max_batch_size,
-                                        config.kv_buckets[0], self.drafter_config,
-                                        cache_batch=1)  # fmt: skip
+        self.state = DecodeState.create(model.config, 1, config.kv_buckets[0],
+                                        self.drafter_config)  # fmt: skip
         self._mesh = params_mesh(self.params)
         if self._mesh is not None:  # the policy is sharded: so is the state (never replicated)
             self.state = jax.device_put(self.state, self._state_shardings(self.state))
@@ -789,9 +794,10 @@ class RolloutEngine:
         if fresh:  # zero caches from a program keyed by the new size alone
             fn = functools.partial(fresh_program, config=self.model_config, batch=b, kv_len=s,
                                    drafter_config=self.drafter_config)  # fmt: skip
-            key, args = ("fresh", b, s), (without_caches(self.state),)
+            key, args = ("fresh", b, s), ()
         else:  # the live part copied
-            fn = functools.partial(resize_program, batch=b, kv_len=s)
+            fn = functools.partial(resize_program, config=self.model_config, batch=b, kv_len=s,
+                                   drafter_config=self.drafter_config)  # fmt: skip
             key, args = ("resize", cache.batch, cache.length, b, s), (self.state,)
         if self._mesh is not None:
             fn = functools.partial(fn, shardings=self._state_shardings(jax.eval_shape(fn, *args)))

@@ -93,18 +93,16 @@ class DraftState:
     """The drafter's part of the decode state (donated with it)."""
 
     cache: DecodeCache  # one layer, sized like the target's; pair (x[p+1], f[p]) at position p
-    lengths: jax.Array  # [Bmax] int32, pairs in the cache (= target lengths when in sync)
-    feature: jax.Array  # [Bmax, D] drafter output at the last pair: predicted f[lengths]
+    lengths: jax.Array  # [B] int32, pairs in the cache (= target lengths when in sync)
+    feature: jax.Array  # [B, D] drafter output at the last pair: predicted f[lengths]
 
     @classmethod
-    def create(cls, config: ModelConfig, max_batch: int, max_len: int,
-               cache_batch: int | None = None) -> DraftState:  # fmt: skip
+    def create(cls, config: ModelConfig, batch: int, max_len: int) -> DraftState:
+        """Zeros for `batch` slots (B: the target cache's slots) of `max_len` positions."""
         return cls(
-            cache=DecodeCache.zeros(
-                config, max_batch if cache_batch is None else cache_batch, max_len
-            ),  # fmt: skip
-            lengths=jnp.zeros((max_batch,), jnp.int32),
-            feature=jnp.zeros((max_batch, config.hidden_size), config.jnp_dtype),
+            cache=DecodeCache.zeros(config, batch, max_len),
+            lengths=jnp.zeros((batch,), jnp.int32),
+            feature=jnp.zeros((batch, config.hidden_size), config.jnp_dtype),
         )
 
     def moved(self, src, dst) -> DraftState:
