@@ -26,7 +26,13 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
     logging.getLogger("tlt_jax").setLevel(logging.INFO)
+    from tlt_jax.rl.policy import size_cpu_pool
     from tlt_jax.rl.run import train_and_evaluate
+
+    # Before JAX starts its backends: a mesh of forced host devices needs a bigger CPU pool.
+    threads = size_cpu_pool(FLAGS.config.model.mesh_shape)
+    if threads:
+        logging.getLogger("tlt_jax").info("PJRT_NPROC=%d for the mesh's CPU devices", threads)
 
     train_and_evaluate(FLAGS.config, FLAGS.workdir)
 

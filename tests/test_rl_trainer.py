@@ -386,6 +386,33 @@ def test_a_cpu_mesh_in_one_process_warns_when_the_pool_is_small(monkeypatch, cap
     assert not caplog.text
 
 
+def test_the_train_script_sizes_the_cpu_pool_for_a_mesh_of_forced_host_devices(monkeypatch):
+    """`size_cpu_pool` (what scripts/train.py calls before JAX starts): PJRT_NPROC = 4 threads
+    per device the mesh uses in this process, only for forced host devices, never over a
+    setting the user made, never below the cores."""
+    from tlt_jax.rl import policy
+
+    monkeypatch.setattr(policy.os, "cpu_count", lambda: 2)
+    flags = {"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"}
+    env = dict(flags)
+    assert policy.size_cpu_pool((2, 1), env) == 8 and env["PJRT_NPROC"] == "8"
+    env = dict(flags)
+    assert policy.size_cpu_pool((2, 2), env) == 16 and env["PJRT_NPROC"] == "16"
+    for mesh, environ in [
+        ((1, 1), dict(flags)),  # one device: no shared pool to starve
+        ((2, 1), {}),  # no forced host devices (an accelerator, or one CPU device)
+        ((2, 1), {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}),
+        ((2, 1), dict(flags, PJRT_NPROC="3")),  # the user's setting stands
+        ((2, 1), dict(flags, NPROC="3")),
+    ]:
+        before = dict(environ)
+        assert policy.size_cpu_pool(mesh, environ) is None, (mesh, before)
+        assert environ == before
+    monkeypatch.setattr(policy.os, "cpu_count", lambda: 64)  # enough cores: left alone
+    env = dict(flags)
+    assert policy.size_cpu_pool((2, 1), env) is None and "PJRT_NPROC" not in env
+
+
 def test_sink_features_match_the_policy_forward(tmp_path):
     sink = RecordingSink()
     trainer = Trainer(tiny_config(total_steps=1), tmp_path, feature_sink=sink, progress=False)

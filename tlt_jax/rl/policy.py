@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,34 @@ def build_mesh(settings: ModelSettings) -> Mesh | None:
     mesh = sharding_lib.make_mesh(settings.mesh_shape, MESH_AXES)
     warn_cpu_pool(mesh)
     return mesh
+
+
+def size_cpu_pool(mesh_shape, environ=os.environ) -> int | None:
+    """Sets `PJRT_NPROC` in `environ` for a mesh of forced host devices in one process.
+
+    For an entry point (`scripts/train.py`) to call before JAX starts its backends, which read
+    `PJRT_NPROC` once. It acts only when `XLA_FLAGS` forces several host devices
+    (`--xla_force_host_platform_device_count=N`), the mesh spans more than one of them, and
+    neither `PJRT_NPROC` nor `NPROC` is set: then XLA:CPU's pool gets
+    `CPU_POOL_THREADS_PER_DEVICE` threads per device the mesh uses here, when that is more
+    than the cores (see `warn_cpu_pool`: with one thread per core a (2, 1) mesh on 2 cores
+    deadlocks in its first rollout).
+
+    Returns:
+      the thread count it set, or None when it set nothing.
+    """
+    if "PJRT_NPROC" in environ or "NPROC" in environ:
+        return None
+    forced = re.findall(r"--xla_force_host_platform_device_count=(\d+)",
+                        environ.get("XLA_FLAGS", ""))  # fmt: skip
+    if not forced:
+        return None
+    local = min(int(forced[-1]), math.prod(mesh_shape))
+    threads = CPU_POOL_THREADS_PER_DEVICE * local
+    if local < 2 or threads <= (os.cpu_count() or 1):
+        return None
+    environ["PJRT_NPROC"] = str(threads)
+    return threads
 
 
 def warn_cpu_pool(mesh: Mesh) -> None:
