@@ -56,6 +56,7 @@ from tlt_jax.models.decode import (
     block_program,
     final_features,
     layer_shardings,
+    move_row,
     unstack_layers,
 )
 from tlt_jax.models.drafter import Drafter
@@ -478,19 +479,7 @@ def move_program(state: DecodeState, src, dst, *, mesh: jax.sharding.Mesh | None
             check_vma=False,
         )(state, src, dst)  # fmt: skip
 
-    def move(arr):
-        return arr.at[dst].set(arr[src])
-
-    return DecodeState(
-        cache=state.cache.moved(src, dst),
-        lengths=move(state.lengths),
-        last_token=move(state.last_token),
-        temperature=move(state.temperature),
-        top_k=move(state.top_k),
-        top_p=move(state.top_p),
-        keys=move(state.keys),
-        draft=None if state.draft is None else state.draft.moved(src, dst),
-    )
+    return jax.tree.map(lambda x: move_row(x, src, dst), state)
 
 
 def _move_local(state: DecodeState, src, dst, *, specs) -> DecodeState:

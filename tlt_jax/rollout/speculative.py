@@ -105,15 +105,6 @@ class DraftState:
             feature=jnp.zeros((batch, config.hidden_size), config.jnp_dtype),
         )
 
-    def moved(self, src, dst) -> DraftState:
-        """Slot `src` copied into slot `dst` (engine compaction)."""
-
-        return DraftState(
-            cache=self.cache.moved(src, dst),
-            lengths=self.lengths.at[dst].set(self.lengths[src]),
-            feature=self.feature.at[dst].set(self.feature[src]),
-        )
-
 
 def commit_kv(cache: DecodeCache, new: NewKV, rows_BxA: jax.Array, start_B: jax.Array,
               count_B: jax.Array) -> DecodeCache:  # fmt: skip
