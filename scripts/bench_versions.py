@@ -62,14 +62,33 @@ def export(commit: str, root: Path) -> str:
 
 
 def load_trainer_classes(suffix: str):
-    """The (TrainConfig, Trainer) classes of an exported version."""
+    """The (TrainConfig, Trainer, default config dict) of an exported version."""
     import tensorflow_datasets as tfds
 
     # The data builders are registered by name once per process (this checkout's came first).
     with tfds.core.registered.skip_registration():
         config = importlib.import_module(f"tlt_jax{suffix}.rl.config")
         trainer = importlib.import_module(f"tlt_jax{suffix}.rl.trainer")
-    return config.TrainConfig, trainer.Trainer
+    return config.TrainConfig, trainer.Trainer, config.default_config_dict().to_dict()
+
+
+def known_fields(config: dict, known: dict, path: str = "") -> tuple[dict, dict]:
+    """(`config` without the fields an older version's defaults `known` lack, those fields).
+
+    A field added after `--ref` is left out of the old side's config (the old code has no such
+    setting: it runs as it did); the dropped fields are printed and written to the JSON.
+    """
+    kept, dropped = {}, {}
+    for key, value in config.items():
+        name = f"{path}{key}"
+        if key not in known:
+            dropped[name] = value
+        elif isinstance(value, dict) and isinstance(known[key], dict):
+            kept[key], more = known_fields(value, known[key], f"{name}.")
+            dropped.update(more)
+        else:
+            kept[key] = value
+    return kept, dropped
 
 
 def main(argv):
@@ -88,11 +107,16 @@ def main(argv):
     with tempfile.TemporaryDirectory(prefix="bench_versions_") as root:
         suffix = export(commit, Path(root))
         sys.path.insert(0, root)
-        classes = {"old": load_trainer_classes(suffix), "new": (TrainConfig, Trainer)}
+        old_config, old_trainer, old_defaults = load_trainer_classes(suffix)
+        old_dict, dropped = known_fields(config_dict, old_defaults)
+        if dropped:
+            print(f"fields {_REF.value} does not have, left out of its config: {dropped}")
+        classes = {"old": (old_config, old_trainer, old_dict),
+                   "new": (TrainConfig, Trainer, config_dict)}  # fmt: skip
         trainers = {}
         try:
-            for name, (config_cls, trainer_cls) in classes.items():
-                cfg = config_cls.from_config_dict(config_dict)
+            for name, (config_cls, trainer_cls, side_dict) in classes.items():
+                cfg = config_cls.from_config_dict(side_dict)
                 if _PLAIN.value:
                     cfg = dataclasses.replace(cfg, spec=dataclasses.replace(cfg.spec, mode="off"))
                 start = time.perf_counter()
@@ -118,6 +142,7 @@ def main(argv):
         "ref": _REF.value,
         "commit": commit,
         "plain_rollouts": _PLAIN.value,
+        "fields_left_out_of_ref_config": dropped,
         "records": records,
         "rollout_old_over_new": [
             o["time_rollout"] / n["time_rollout"] for o, n in zip(old, new, strict=True)

@@ -34,3 +34,19 @@ def test_a_ref_that_names_no_commit_is_refused_before_loading():
     done = _run("--config=configs/tiny.py", "--ref=no-such-ref")
     assert done.returncode != 0
     assert "--ref='no-such-ref' is not a commit" in done.stderr
+
+
+def test_fields_an_older_version_lacks_are_left_out_of_its_config():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from bench_versions import known_fields
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    config = {"seed": 1, "spec": {"mode": "off", "max_cost_ratio": 1.5},
+              "spot": {"enabled": True, "silent_features": False},
+              "new_group": {"x": 1}}  # fmt: skip
+    known = {"seed": 0, "spec": {"mode": "adaptive"}, "spot": {"enabled": False}}
+    kept, dropped = known_fields(config, known)
+    assert kept == {"seed": 1, "spec": {"mode": "off"}, "spot": {"enabled": True}}
+    assert dropped == {"spec.max_cost_ratio": 1.5, "spot.silent_features": False,
+                       "new_group": {"x": 1}}  # fmt: skip
