@@ -197,9 +197,10 @@ class DecodeCache:
         range and positions past the cache are dropped.
 
         One scatter per array whose index is the slot alone and whose window is the row's
-        whole [K, H, T] block. As `write_positions` (an index per slot and position) the 60
-        scatters of a 30-layer prefill took XLA:CPU 2.1 of its 2.8 s compile, once per
-        prefill shape; this form compiles in a fraction of that and writes the same values.
+        whole [K, H, T] block: the same values as `write_positions` (an index per slot and
+        position), and in the prefill program XLA:CPU compiles it 0.5 s faster at 8-16
+        prompts (3.5 -> 3.1 s of a SmolLM2 prefill's compile; level at one prompt), at the
+        same run time (BENCHMARKS.md, "What the main job compiles").
         """
         t = min(new.k.shape[2], self.length)
         slots_Bx1 = slots_B.astype(jnp.int32)[:, None]
