@@ -84,6 +84,18 @@ def test_rollout_timeline_shades_sd_steps_and_keeps_the_timeline(tmp_path):
     assert greenish_pixels(paths[1]) > 2_000  # the tail's bands, far more than a legend patch
 
 
+def test_a_rollout_all_in_its_tail_has_a_share_of_exactly_one():
+    """The durations' float sum can pass the last step's end by an ulp: the trainer test saw
+    `long_tail_share` 1.0000000000000002 (this generator's 11th timeline does the same)."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(2, 400))
+        ends = np.cumsum(rng.random(n) * 10 ** rng.uniform(-4, 1, n))
+        stats = timing.tail_stats([(float(t), 2, "plain") for t in ends], THRESHOLD)
+        assert stats["long_tail_share"] == 1.0
+        assert stats["long_tail_s"] == stats["rollout_decode_s"]
+
+
 def test_timeline_rows_without_arm_are_plain(tmp_path):
     timeline = [(0.1, 8), (0.2, 3), (0.3, 1)]
     path = plots.plot_rollout_timeline(timeline, 3, tmp_path / "t.png")

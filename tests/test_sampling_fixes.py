@@ -254,6 +254,40 @@ def test_no_filtering_is_only_scaling_and_nothing_sorts():
     assert sorts.search(str(old_rule))  # the pattern does see a sort
 
 
+def test_a_batch_that_truncates_nothing_traces_no_filter_and_samples_the_same():
+    """`filtering=False` (no sampled request truncates: `needs_filtering`) traces the scaling
+    only, and draws exactly what the filtering program draws for such a batch; so does the
+    tree acceptance."""
+    from tlt_jax.rollout.acceptance import accept_tree
+    from tlt_jax.rollout.sampling import SamplingParams, needs_filtering
+
+    assert not needs_filtering([SamplingParams(0.8), SamplingParams(0.0, top_p=0.5, top_k=3)])
+    assert needs_filtering([SamplingParams(0.8), SamplingParams(0.8, top_p=0.9)])
+    assert needs_filtering([SamplingParams(1.0, top_k=40)])
+    assert not needs_filtering([])
+    b, v = 6, 300
+    logits = jax.random.normal(jax.random.key(5), (b, v)) * 4
+    temperature = jnp.array([0.8, 1.0, 0.0, 0.5, 1.3, 0.8])
+    top_k, top_p = jnp.zeros(b, jnp.int32), jnp.ones(b)
+    keys = jax.random.split(jax.random.key(6), b)
+    outs = [jax.jit(lambda *a, f=f: choose_tokens(*a, greedy_only=False, filtering=f))(
+        logits, temperature, top_k, top_p, keys) for f in (True, False)]  # fmt: skip
+    for got, want in zip(outs[1], outs[0], strict=True):
+        np.testing.assert_array_equal(got, want)
+    no_filter = str(jax.make_jaxpr(lambda *a: filtered_logits(*a, filtering=False))(
+        logits, temperature, top_k, top_p))  # fmt: skip
+    assert "top_k" not in no_filter and "cond" not in no_filter
+    t = 4  # a chain root -> 1 -> 2 -> 3 per row
+    tree_logits = jax.random.normal(jax.random.key(7), (b, t, v)) * 4
+    tokens = jax.random.randint(jax.random.key(8), (b, t), 0, v)
+    parents = jnp.broadcast_to(jnp.arange(-1, t - 1), (b, t))
+    positions = jnp.broadcast_to(jnp.arange(t) + 10, (b, t))
+    args = (tree_logits, tokens, parents, positions, temperature, top_k, top_p, keys)
+    accepted = [accept_tree(*args, greedy_only=False, filtering=f) for f in (True, False)]
+    for got, want in zip(accepted[1], accepted[0], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_inverse_cdf_sampling_is_categorical_and_never_draws_zero_mass():
     from scipy import stats
 

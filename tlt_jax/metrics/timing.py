@@ -53,7 +53,12 @@ def tail_stats(timeline: Sequence[tuple], threshold: int) -> dict[str, float]:
     durations = np.diff(np.concatenate([[0.0], ends]))
     tail = running <= threshold
     total = float(ends[-1])
-    tail_s = float(durations[tail].sum())
+    # Each run of tail steps lasts from the end before its first step to the end of its last:
+    # a rollout all in its tail is exactly its total (the float sum of its step durations
+    # passed the last end by an ulp: a share of 1.0000000000000002).
+    starts = np.concatenate([[0.0], ends[:-1]])
+    before, after = np.concatenate([[False], tail[:-1]]), np.concatenate([tail[1:], [False]])
+    tail_s = float(np.sum(ends[tail & ~after] - starts[tail & ~before]))
     return {
         "long_tail_share": tail_s / total if total > 0 else 0.0,
         "long_tail_s": tail_s,

@@ -58,6 +58,7 @@ def accept_tree(
     *,
     greedy_only: bool,
     residual: str = "exact",
+    filtering: bool = True,
 ) -> Acceptance:
     """Walks every row's tree and emits the accepted drafts plus one target token.
 
@@ -71,6 +72,7 @@ def accept_tree(
       greedy_only: static; every row is greedy (skips the sampling math).
       residual: "exact"; "buggy_no_removal" keeps the tried children in the correction
         distribution (wrong on purpose, for the tests' negative case only).
+      filtering: static; False: no row truncates (`sampling.needs_filtering`).
 
     Returns:
       `Acceptance`.
@@ -94,7 +96,7 @@ def accept_tree(
         top_p_B = jnp.where(sampling_B, top_p_B, 1.0)
         filtered = filtered_logits(
             logits.reshape(b * t, v), jnp.repeat(temperature_B, t), jnp.repeat(top_k_B, t),
-            jnp.repeat(top_p_B, t),
+            jnp.repeat(top_p_B, t), filtering=filtering,
         ).reshape(b, t, v)  # fmt: skip
         q_BxTxV = jax.nn.softmax(filtered, axis=-1)
         q_child_BxTxT = jnp.take_along_axis(

@@ -65,7 +65,7 @@ from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.programs import ProgramPool
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.adaptive import FixedPolicy, PlainPolicy, StepChoice, StepPolicy, arm_name
-from tlt_jax.rollout.sampling import SamplingParams, choose_tokens
+from tlt_jax.rollout.sampling import SamplingParams, choose_tokens, needs_filtering
 from tlt_jax.rollout.spec_engine import (
     SpecRunner,
     check_drafter_fits,
@@ -320,7 +320,7 @@ def _sharding_signature(args) -> tuple:
 
 def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens_UxP,
                     prompt_lens_U, rows_B, slots_B, temperature_B, top_k_B, top_p_B, seeds_B, *,
-                    greedy_only: bool, drafter_config=None):  # fmt: skip
+                    greedy_only: bool, drafter_config=None, filtering: bool = True):  # fmt: skip
     """Runs U distinct prompts (right-padded) once and writes each into the slots that share it.
 
     Prefix sharing: the requests of a GRPO group have one prompt; slot b takes prompt row
@@ -339,9 +339,8 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     prompt_lens_B = prompt_lens_U[rows_B]
     keys = jax.vmap(jax.random.key)(seeds_B)
     step_keys = _step_keys(keys, prompt_lens_B)
-    tokens, logprobs = choose_tokens(
-        logits_B, temperature_B, top_k_B, top_p_B, step_keys, greedy_only=greedy_only
-    )
+    tokens, logprobs = choose_tokens(logits_B, temperature_B, top_k_B, top_p_B, step_keys,
+                                     greedy_only=greedy_only, filtering=filtering)  # fmt: skip
     cache = state.cache.write_prompts(slots_B, rows_B, new)
 
     def put(arr, values):
@@ -377,7 +376,7 @@ def decode_inputs(graphdef, params, state: DecodeState, *, batch: int) -> Forwar
 
 def decode_outputs(graphdef, params, state: DecodeState, drafter_params, x_Bx1xD, *,
                    batch: int, greedy_only: bool, drafter_config=None,
-                   attention_impl: str = "xla"):  # fmt: skip
+                   attention_impl: str = "xla", filtering: bool = True):  # fmt: skip
     """A decode step after the layers: head, token choice, the state's scalars and (eager
     drafter sync) the drafter's pair. Leaves `state.cache` alone (None in layered steps)."""
     model = nnx.merge(graphdef, params)
@@ -389,6 +388,7 @@ def decode_outputs(graphdef, params, state: DecodeState, drafter_params, x_Bx1xD
     tokens, logprobs = sharding_lib.rowwise(choose_tokens)(
         logits, state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
         _step_keys(state.keys[:batch], lengths + 1), greedy_only=greedy_only,
+        filtering=filtering,
     )  # fmt: skip
     draft = state.draft
     if drafter_params is not None:
@@ -407,7 +407,7 @@ def decode_outputs(graphdef, params, state: DecodeState, drafter_params, x_Bx1xD
 
 def decode_program(graphdef, params, layers, state: DecodeState, drafter_params=None, *,
                    batch: int, kv_len: int, greedy_only: bool, drafter_config=None,
-                   attention_impl: str = "xla"):  # fmt: skip
+                   attention_impl: str = "xla", filtering: bool = True):  # fmt: skip
     """One token for slots [0, batch) attending to cache positions [0, kv_len): the state's
     caches are exactly that size (`DecodeState.cache`), `layers` the policy's per-layer weights.
 
@@ -424,7 +424,7 @@ def decode_program(graphdef, params, layers, state: DecodeState, drafter_params=
     x, _, cache = block_program(layers, state.cache, *inputs, config=model_config, write=True)
     state, tokens, logprobs = decode_outputs(
         graphdef, params, state, drafter_params, x, batch=batch, greedy_only=greedy_only,
-        drafter_config=drafter_config, attention_impl=attention_impl,
+        drafter_config=drafter_config, attention_impl=attention_impl, filtering=filtering,
     )  # fmt: skip
     return state.replace(cache=cache), tokens, logprobs
 
@@ -823,12 +823,13 @@ class RolloutEngine:
             temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
             seeds[i] = np.uint32(run.request.seed & 0xFFFFFFFF)
         greedy = bool(np.all(temperature[: len(batch)] == 0))
+        filtering = needs_filtering(run.request.sampling for run in batch)
         args = (self.params, self.drafter_params, self.state, tokens, lens, row_ids, slot_ids,
                 temperature, top_k, top_p, seeds)  # fmt: skip
         fn = functools.partial(prefill_program, self.graphdef, greedy_only=greedy,
-                               drafter_config=self.drafter_config)  # fmt: skip
+                               drafter_config=self.drafter_config, filtering=filtering)  # fmt: skip
         cache = self.state.cache
-        key = ("prefill", b, u, p, greedy, cache.batch, cache.length)
+        key = ("prefill", b, u, p, greedy, cache.batch, cache.length, filtering)
         program = self._program(key, fn, *args, donate=(2,))
         self.state, next_tokens, logprobs = program(*args)
         self.stats.prefill_steps += 1
@@ -842,17 +843,19 @@ class RolloutEngine:
         cfg = self.config
         b, s = self.state.cache.batch, self.state.cache.length  # fitted by generate()
         greedy = all(r.request.sampling.greedy for r in running)
+        filtering = needs_filtering(r.request.sampling for r in running)
         # Eager sync only extends drafters that are in sync (a lagging one is caught up by
         # the next SD step as in lazy mode).
         eager = (self.drafter_params is not None and cfg.drafter_sync == "eager"
                  and all(r.draft_len == r.cache_len for r in running))  # fmt: skip
         compiled = self.stats.compile_count
         dispatched = time.perf_counter()
-        key = ("decode", b, s, greedy, eager)
+        key = ("decode", b, s, greedy, eager, filtering)
         if self._one_program(key):
             fn = functools.partial(decode_program, self.graphdef, batch=b, kv_len=s,
                                    greedy_only=greedy, drafter_config=self.drafter_config,
-                                   attention_impl=cfg.spec_attention_impl)  # fmt: skip
+                                   attention_impl=cfg.spec_attention_impl,
+                                   filtering=filtering)  # fmt: skip
             args = (self.params, self.layers, self.state, self.drafter_params if eager else None)
             program = self._program(key, fn, *args, donate=(2,))
             self.state, tokens, logprobs = program(*args)
@@ -863,12 +866,13 @@ class RolloutEngine:
             x, _, cache = self.forward(self.layers, self.state.cache, inputs, write=True)
             fn = functools.partial(decode_outputs, self.graphdef, batch=b, greedy_only=greedy,
                                    drafter_config=self.drafter_config,
-                                   attention_impl=cfg.spec_attention_impl)  # fmt: skip
+                                   attention_impl=cfg.spec_attention_impl,
+                                   filtering=filtering)  # fmt: skip
             args = (self.params, self.state.replace(cache=None),
                     self.drafter_params if eager else None, x)  # fmt: skip
             # (the drafter's cache, if any, is the step's size too)
-            program = self._program(("decode_outputs", b, greedy, eager, draft_length(self.state)),
-                                    fn, *args, donate=(1,))  # fmt: skip
+            key = ("decode_outputs", b, greedy, eager, draft_length(self.state), filtering)
+            program = self._program(key, fn, *args, donate=(1,))
             state, tokens, logprobs = program(*args)
             self.state = state.replace(cache=cache)
         self.stats.decode_steps += 1

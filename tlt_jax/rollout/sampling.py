@@ -10,6 +10,7 @@ what the RL trainer recomputes, so old and new logprobs compare like for like.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ def filtered_logits(
     top_p_B: jax.Array,
     *,
     preselect: int = PRESELECT,
+    filtering: bool = True,
 ) -> jax.Array:
     """logits / temperature with tokens outside top-k and the top-p nucleus set to -inf.
 
@@ -67,12 +69,16 @@ def filtered_logits(
       top_k_B: per-row top-k, 0 disables it.
       top_p_B: per-row top-p in (0, 1], 1 disables it.
       preselect: static; candidates per row for the fast path.
+      filtering: static; False when no row filters (top_k 0, top_p 1 everywhere, as an RL
+        rollout samples): only the scaling is traced (see `needs_filtering`).
 
     Returns:
       float32 [B, V]: the scaled logits, -inf where filtered out.
     """
     temperature_Bx1 = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
     scaled_BxV = logits_BxV.astype(jnp.float32) / temperature_Bx1
+    if not filtering:
+        return scaled_BxV
     vocab = scaled_BxV.shape[-1]
     use_k_B = (top_k_B > 0) & (top_k_B < vocab)
     use_p_B = top_p_B < 1
@@ -180,6 +186,15 @@ def sample_from_probs(keys_B: jax.Array, probs_BxV: jax.Array) -> jax.Array:
     return jnp.minimum(index_B, probs_BxV.shape[-1] - 1)
 
 
+def needs_filtering(params: Iterable[SamplingParams]) -> bool:
+    """Whether a batch of these requests needs `filtered_logits`' top-k / top-p math: some
+    sampled request truncates. A program traced without it (`filtering=False`) compiles
+    faster: on XLA:CPU the thresholds and their exact search fallback took 0.5 s of a
+    sampled token choice's 0.9 s compile, once per batch bucket, and 0.6 s of a sampled tree
+    acceptance's 1.9 s (BENCHMARKS.md, "What the main job compiles")."""
+    return any(not p.greedy and (p.top_p < 1 or p.top_k > 0) for p in params)
+
+
 def choose_tokens(
     logits_BxV: jax.Array,
     temperature_B: jax.Array,
@@ -188,6 +203,7 @@ def choose_tokens(
     keys_B: jax.Array,
     *,
     greedy_only: bool,
+    filtering: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Next token per row and its logprob.
 
@@ -196,6 +212,7 @@ def choose_tokens(
       temperature_B / top_k_B / top_p_B: per-row sampling parameters.
       keys_B: one typed PRNG key per row (ignored by greedy rows).
       greedy_only: static; every row is greedy (no sampling math is traced).
+      filtering: static; False: no row truncates (`needs_filtering`), no filter is traced.
 
     Returns:
       (tokens_B int32, logprobs_B float32).
@@ -209,7 +226,8 @@ def choose_tokens(
         # Greedy rows take the argmax: they need no filtering (which an all-greedy batch skips).
         sampling_B = temperature_B > 0
         masked = filtered_logits(logits_BxV, temperature_B, jnp.where(sampling_B, top_k_B, 0),
-                                 jnp.where(sampling_B, top_p_B, 1.0))  # fmt: skip
+                                 jnp.where(sampling_B, top_p_B, 1.0),
+                                 filtering=filtering)  # fmt: skip
         sampled_B = sample_from_probs(keys_B, jax.nn.softmax(masked, axis=-1))
         tokens_B = jnp.where(temperature_B > 0, sampled_B, argmax_B)
         temperature = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]

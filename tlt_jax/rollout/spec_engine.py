@@ -11,8 +11,8 @@ plain steps), builds the step's verification tree from its source, and runs the 
 All three are checked by the same verify program and the same acceptance code, so every source
 is lossless by construction. Programs come from the engine's `ProgramPool`: drafts keyed by
 (batch, k, depth, kv, hot vocabulary size), trees by (batch, k, depth, verify tokens) and
-verifies by (batch, verify tokens, kv, greedy, drafter) only, shared by every strategy and
-source with that verify budget.
+verifies by (batch, verify tokens, kv, greedy, drafter, filtering) only, shared by every
+strategy and source with that verify budget.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tlt_jax.models.transformer import ATTENTION_IMPLS
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.adaptive import StepChoice
 from tlt_jax.rollout.draft_tree import DraftTree
+from tlt_jax.rollout.sampling import needs_filtering
 from tlt_jax.rollout.speculative import SpecStrategy, draft_length, without_caches
 
 
@@ -148,12 +149,14 @@ class SpecRunner:
         else:
             tree = self._ngram_tree(running, b, t, d, k)
         greedy = all(r.request.sampling.greedy for r in running)
-        if self._one_program(self._verify_key(b, t, s, greedy, drafter_params)):
-            state, tokens, logprobs, counts = self._verify(params, layers, drafter_params, state,
-                                                           tree, b, s, t, greedy)  # fmt: skip
+        filtering = needs_filtering(r.request.sampling for r in running)
+        if self._one_program(self._verify_key(b, t, s, greedy, filtering, drafter_params)):
+            state, tokens, logprobs, counts = self._verify(
+                params, layers, drafter_params, state, tree, b, s, t, greedy, filtering
+            )  # fmt: skip
         else:
             state, tokens, logprobs, counts = self._verify_layered(
-                params, layers, drafter_params, state, tree, b, t, greedy)  # fmt: skip
+                params, layers, drafter_params, state, tree, b, t, greedy, filtering)  # fmt: skip
         result = SpecResult(np.asarray(tokens), np.asarray(logprobs), np.asarray(counts))
         stats = self.stats
         stats.spec_steps += 1
@@ -165,17 +168,18 @@ class SpecRunner:
         return state, result
 
     @staticmethod
-    def _verify_key(b, t, s, greedy, drafter_params) -> tuple:
-        return ("spec_verify", b, t, s, greedy, drafter_params is not None)
+    def _verify_key(b, t, s, greedy, filtering, drafter_params) -> tuple:
+        return ("spec_verify", b, t, s, greedy, drafter_params is not None, filtering)
 
-    def _verify(self, params, layers, drafter_params, state, tree, b, s, t, greedy):
+    def _verify(self, params, layers, drafter_params, state, tree, b, s, t, greedy, filtering):
         """Verify and commit as two programs, every layer unrolled in each."""
         verify_fn = functools.partial(
             speculative.verify_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
             greedy_only=greedy, attention_impl=self.config.spec_attention_impl,
+            filtering=filtering,
         )  # fmt: skip
         args = (params, layers, drafter_params, state, tree)
-        key = self._verify_key(b, t, s, greedy, drafter_params)
+        key = self._verify_key(b, t, s, greedy, filtering, drafter_params)
         state, tokens, logprobs, counts, new, path = self._program(key, verify_fn, *args,
                                                                    donate=(3,))(*args)  # fmt: skip
         commit_fn = functools.partial(speculative.commit_program, batch=b)
@@ -183,7 +187,8 @@ class SpecRunner:
         state = self._program(("spec_commit", b, t, s), commit_fn, *args, donate=(0,))(*args)
         return state, tokens, logprobs, counts
 
-    def _verify_layered(self, params, layers, drafter_params, state, tree, b, t, greedy):
+    def _verify_layered(self, params, layers, drafter_params, state, tree, b, t, greedy,
+                        filtering):  # fmt: skip
         """Verify and commit with the layers as block programs (`LayeredForward`): the
         inputs, the blocks reading the cache, the acceptance, then one commit per block."""
         impl = self.config.spec_attention_impl
@@ -193,9 +198,11 @@ class SpecRunner:
         x, news, cache = self.forward(layers, state.cache, inputs, write=False,
                                       attention_impl=impl)  # fmt: skip
         fn = functools.partial(speculative.verify_outputs, self.graphdef, self.drafter_config,
-                               batch=b, greedy_only=greedy, attention_impl=impl)  # fmt: skip
+                               batch=b, greedy_only=greedy, attention_impl=impl,
+                               filtering=filtering)  # fmt: skip
         args = (params, drafter_params, state.replace(cache=None), tree, x)
-        key = ("verify_outputs", b, t, greedy, drafter_params is not None, draft_length(state))
+        key = ("verify_outputs", b, t, greedy, drafter_params is not None, draft_length(state),
+               filtering)  # fmt: skip
         state, tokens, logprobs, counts, path = self._program(key, fn, *args, donate=(2,))(*args)
         blocks, start = [], 0
         fn = functools.partial(speculative.commit_block_program, batch=b)

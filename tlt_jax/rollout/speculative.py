@@ -249,7 +249,8 @@ def verify_inputs(graphdef, params, state, tree: DraftTree, *, batch: int) -> Fo
 
 def verify_outputs(graphdef, drafter_config: ModelConfig, params, drafter_params, state,
                    tree: DraftTree, x_BxTxD, *, batch: int, greedy_only: bool,
-                   attention_impl: str = "xla", residual: str = "exact"):  # fmt: skip
+                   attention_impl: str = "xla", residual: str = "exact",
+                   filtering: bool = True):  # fmt: skip
     """A verify step after the layers: acceptance, the drafter's extend, the state's scalars.
     Leaves `state.cache` alone (None in layered steps).
 
@@ -263,7 +264,7 @@ def verify_outputs(graphdef, drafter_config: ModelConfig, params, drafter_params
     result = sharding_lib.rowwise(accept_tree)(
         logits_BxTxV, tree.tokens_BxT, tree.parents_BxT, tree.positions_BxT,
         state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
-        state.keys[:batch], greedy_only=greedy_only, residual=residual,
+        state.keys[:batch], greedy_only=greedy_only, residual=residual, filtering=filtering,
     )  # fmt: skip
     count_B = result.num_accepted_B + 1
     draft = state.draft
@@ -285,7 +286,8 @@ def verify_outputs(graphdef, drafter_config: ModelConfig, params, drafter_params
 
 def verify_program(graphdef, drafter_config: ModelConfig, params, layers, drafter_params, state,
                    tree: DraftTree, *, batch: int, kv_len: int, greedy_only: bool,
-                   attention_impl: str = "xla", residual: str = "exact"):  # fmt: skip
+                   attention_impl: str = "xla", residual: str = "exact",
+                   filtering: bool = True):  # fmt: skip
     """Verifies and accepts one tree per slot in [0, batch); `commit_program` then writes the
     accepted path into the target cache. One program: `verify_inputs`, the layers (reading the
     cache), `verify_outputs`; a layered engine runs the three as programs of their own.
@@ -306,6 +308,7 @@ def verify_program(graphdef, drafter_config: ModelConfig, params, layers, drafte
     state, tokens, logprobs, count_B, path = verify_outputs(
         graphdef, drafter_config, params, drafter_params, state, tree, x, batch=batch,
         greedy_only=greedy_only, attention_impl=attention_impl, residual=residual,
+        filtering=filtering,
     )  # fmt: skip
     return state, tokens, logprobs, count_B, new, path
 
