@@ -109,8 +109,8 @@ def test_tiny_bucketed_verifies_are_the_pairs_the_bandit_uses(tiny):
     keys = [ast.literal_eval(k) for k in tiny["pools"]["bucketed"]["keys"]]
     verifies = {(k[1], k[2]) for k in keys if k[0] == "spec_verify"}
     assert verifies == usable == {(1, 6), (2, 4)}
-    # Sampled requests (greedy=False), one kv bucket, engines with a drafter.
-    assert {k[3:] for k in keys if k[0] == "spec_verify"} == {(64, False, True)}
+    # Sampled requests (greedy=False), one kv bucket, engines with a drafter, no top-k/top-p.
+    assert {k[3:] for k in keys if k[0] == "spec_verify"} == {(64, False, True, False)}
     # Drafts use the 32-token hot vocabulary.
     assert {k[-1] for k in keys if k[0] == "spec_draft"} == {32}
 
