@@ -120,25 +120,19 @@ class DecodeCache:
             v=tuple(named_sharding(x.shape, VALUE_AXES, mesh, rules) for x in self.v),
         )
 
-    def resized(self, batch: int, length: int,
-                shardings: DecodeCache | None = None) -> DecodeCache:  # fmt: skip
+    def resized(self, batch: int, length: int) -> DecodeCache:
         """A cache of `batch` slots and `length` positions holding this one's overlap (the first
         min(batch) slots and min(length) positions; the rest zero)."""
         b, s = min(batch, self.batch), min(length, self.length)
 
-        def one(x, key_major: bool, sharding):
+        def one(x, key_major: bool):
             shape = (batch, x.shape[1], x.shape[2], length) if key_major else (
                 batch, x.shape[1], length, x.shape[3])  # fmt: skip
             part = x[:b, :, :, :s] if key_major else x[:b, :, :s]
-            out = jax.lax.dynamic_update_slice(jnp.zeros(shape, x.dtype), part, (0, 0, 0, 0))
-            return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
+            return jax.lax.dynamic_update_slice(jnp.zeros(shape, x.dtype), part, (0, 0, 0, 0))
 
-        ks = (None,) * self.num_layers if shardings is None else shardings.k
-        vs = (None,) * self.num_layers if shardings is None else shardings.v
-        return DecodeCache(
-            k=tuple(one(x, True, sh) for x, sh in zip(self.k, ks, strict=True)),
-            v=tuple(one(x, False, sh) for x, sh in zip(self.v, vs, strict=True)),
-        )
+        return DecodeCache(k=tuple(one(x, True) for x in self.k),
+                           v=tuple(one(x, False) for x in self.v))  # fmt: skip
 
     def write_layer(self, i: int, slots_Bx1: jax.Array, positions_BxA: jax.Array,
                     k_BxAxKxH: jax.Array, v_BxAxKxH: jax.Array) -> DecodeCache:  # fmt: skip

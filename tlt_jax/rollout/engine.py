@@ -441,11 +441,9 @@ def resize_program(state: DecodeState, *, config, drafter_config, batch: int, kv
 
     blank = without_caches(DecodeState.create(config, batch, 1, drafter_config))
     out = jax.tree.map(rows, without_caches(state), blank)
-    out = out.replace(cache=state.cache.resized(
-        batch, kv_len, None if shardings is None else shardings.cache))  # fmt: skip
+    out = out.replace(cache=state.cache.resized(batch, kv_len))
     if state.draft is not None:
-        out = out.replace(draft=out.draft.replace(cache=state.draft.cache.resized(
-            batch, kv_len, None if shardings is None else shardings.draft.cache)))  # fmt: skip
+        out = out.replace(draft=out.draft.replace(cache=state.draft.cache.resized(batch, kv_len)))
     if shardings is None:
         return out
     return jax.tree.map(jax.lax.with_sharding_constraint, out, shardings)
