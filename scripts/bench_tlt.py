@@ -8,7 +8,10 @@ Runs the config twice in one process, `spec.mode=off` and TLT's adaptive rollout
 config's `spec` group; `adaptive` if it says `off`), from the same weights: first greedy
 rollouts of the same requests on both engines (identical tokens, exact ratios), then
 `--warmup` + `--steps` RL steps per side in alternating order, at the config's batch and at
-each `--batch_multipliers` multiple of it. Ratios are plain / TLT (`tlt_jax/rl/bench_tlt.py`).
+each `--batch_multipliers` multiple of it. With `--same_policy` (the default) both sides start
+every step from the same policy, so they sample nearly the same responses and the step ratio
+measures the engines; `--nosame_policy` lets each side follow its own samples. Ratios are
+plain / TLT (`tlt_jax/rl/bench_tlt.py`).
 """
 
 import json
@@ -27,6 +30,12 @@ flags.DEFINE_integer("steps", 2, "Measured RL steps per side.")
 flags.DEFINE_integer("warmup", 1, "RL steps per side run first and not measured.")
 flags.DEFINE_list("batch_multipliers", ["1", "2"], "Prompts per step times these.")
 flags.DEFINE_integer("greedy_repeats", 3, "Timed greedy rollouts per side (alternating).")
+flags.DEFINE_bool(
+    "same_policy",
+    True,
+    "Start every RL step of both sides from the plain side's policy (False: each side follows "
+    "its own samples).",
+)
 
 
 def main(argv):
@@ -40,7 +49,8 @@ def main(argv):
     print(command, flush=True)
     result = bench_tlt(FLAGS.config, steps=FLAGS.steps, warmup=FLAGS.warmup,
                        batch_multipliers=tuple(int(m) for m in FLAGS.batch_multipliers),
-                       greedy_repeats=FLAGS.greedy_repeats)  # fmt: skip
+                       greedy_repeats=FLAGS.greedy_repeats,
+                       same_policy=FLAGS.same_policy)  # fmt: skip
     result["command"] = command
     with open(FLAGS.output_json, "w") as f:
         json.dump(result, f, indent=2)

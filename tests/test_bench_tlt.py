@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import math
 
+import jax
+import numpy as np
 from rl_testing import tiny_config
 
-from tlt_jax.rl.bench_tlt import bench_tlt
+from tlt_jax.rl.bench_tlt import _adopt_policy, _digest, bench_tlt
+from tlt_jax.rl.trainer import Trainer
+from tlt_jax.rollout.engine import Request
+from tlt_jax.rollout.sampling import SamplingParams
 
 
 def test_bench_tlt_runs_both_sides_on_the_tiny_config():
-    result = bench_tlt(tiny_config(), steps=1, warmup=0, batch_multipliers=(1,),
+    result = bench_tlt(tiny_config(), steps=1, warmup=1, batch_multipliers=(1,),
                        greedy_repeats=2)  # fmt: skip
     one = result["by_batch"]["1"]
+    # The measured step follows a warm-up step on each side: with `same_policy` (the default)
+    # both sides start it from the plain side's updated policy.
+    assert result["same_policy"] and one["same_policy"]
+    plain, tlt = one["per_step"]["plain"][0], one["per_step"]["tlt"][0]
+    assert plain["step"] == tlt["step"] == 2
+    assert plain["policy_digest"] == tlt["policy_digest"]
+    assert len(one["equal_length_share"]) == 1 and 0.0 <= one["equal_length_share"][0] <= 1.0
     greedy = one["greedy"]
     assert greedy["tokens_identical"]
     for side in ("plain", "tlt"):  # two timed repeats; the best one reported
@@ -25,12 +37,41 @@ def test_bench_tlt_runs_both_sides_on_the_tiny_config():
         "step_speedup",
         "rollout_per_token_speedup",
         "step_speedup_excluding_compiles",
+        "update_speedup",
     ):
         assert math.isfinite(one[key]["mean"]) and one[key]["min"] <= one[key]["max"], key
     assert set(one["phase_s"]) == {"plain", "tlt"}
     assert len(one["per_step"]["plain"]) == len(one["per_step"]["tlt"]) == 1
     assert one["ceiling_step_speedup"] >= 1.0
-    plain, tlt = one["per_step"]["plain"][0], one["per_step"]["tlt"][0]
     assert one["step_speedup_excluding_compiles"]["mean"] == (
         (plain["step_time"] - plain["compile_s"]) / (tlt["step_time"] - tlt["compile_s"])
     )
+
+
+def test_the_tlt_side_adopts_a_copy_of_the_plain_policy_down_to_its_engine(tmp_path):
+    """`same_policy`'s hand-over: equal params and optimizer state, the same greedy tokens and
+    log-probs from both engines, and a copy (the source's buffers may be donated by its next
+    update)."""
+    plain = Trainer(tiny_config(), tmp_path / "plain", progress=False)
+    tlt = Trainer(tiny_config(**{"model.init_seed": 1}), tmp_path / "tlt", progress=False)
+    try:
+        assert _digest(plain) != _digest(tlt)
+        request = Request(plain.encode("1+2="), 8, SamplingParams(), plain.stop_ids, seed=0)
+
+        def sampled(trainer):
+            done = trainer.engine.generate([request], progress=False)[0]
+            return done.token_ids, np.asarray(done.logprobs)
+
+        assert not np.array_equal(sampled(tlt)[1], sampled(plain)[1])
+        _adopt_policy(tlt, plain)
+        assert _digest(tlt) == _digest(plain)
+        for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(tlt.state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            if isinstance(a, jax.Array):
+                assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+        (tokens_tlt, logprobs_tlt), (tokens_plain, logprobs_plain) = sampled(tlt), sampled(plain)
+        assert tokens_tlt == tokens_plain
+        np.testing.assert_array_equal(logprobs_tlt, logprobs_plain)
+    finally:
+        plain.close()
+        tlt.close()

@@ -8,9 +8,15 @@ first (calibration); the plain one counts its long tail at the same threshold.
 1. Greedy rollouts of the same requests on both engines at the initial weights: the tokens are
    identical (checked), so the ratios are exact (`*_greedy`).
 2. RL steps at the config's temperature, alternating which side runs first, after `warmup`
-   steps each. SD draws different samples from the same distribution, so response lengths
-   differ between the sides: the sampled ratios are reported as the mean and spread of
-   per-step ratios.
+   steps each. With `same_policy` (the default) every step starts both sides from the same
+   policy: the TLT trainer takes a copy of the plain trainer's train state (params and
+   optimizer state) before the step. Each request then samples from the same distribution
+   with the same seed on both sides, and SD's acceptance draws from the same per-position key
+   streams as plain sampling, so most responses come out the same (`equal_length_share`
+   says how many) and the two updates train on nearly the same tokens: the step ratio
+   measures the rollout engines, not two policies that parted after the first update (what
+   `same_policy=False` measures, each side on its own trajectory). Sampled ratios are the
+   mean and spread of per-step ratios.
 
 Memory: both trainers (engine, train state, programs) live in one process; on the default
 SmolLM2 config that is ~15 GB resident, so give the run the machine to itself on 24 GB.
@@ -31,6 +37,8 @@ import tempfile
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tlt_jax.metrics import timing
@@ -80,6 +88,20 @@ def _greedy(trainers: dict[str, Trainer], examples: list[dict], repeats: int, th
     return result, identical, sum(len(t) for t in tokens["plain"])
 
 
+def _adopt_policy(dst: Trainer, src: Trainer) -> None:
+    """`dst` continues from `src`'s train state (copied: updates donate their buffers) and
+    pushes the params to its engines."""
+    dst.state = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x,
+                             src.state)  # fmt: skip
+    dst.sync_weights()
+
+
+def _digest(trainer: Trainer) -> float:
+    """A float64 sum of |param| over the policy: equal on two sides that hold the same one."""
+    return float(sum(np.abs(np.asarray(x)).sum(dtype=np.float64)
+                     for x in jax.tree.leaves(trainer.state.params)))  # fmt: skip
+
+
 def _ratio_stats(plain: list[float], tlt: list[float]) -> dict[str, float]:
     ratios = [p / t for p, t in zip(plain, tlt, strict=True) if t > 0]
     if not ratios:
@@ -88,8 +110,8 @@ def _ratio_stats(plain: list[float], tlt: list[float]) -> dict[str, float]:
             "max": float(np.max(ratios))}  # fmt: skip
 
 
-def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
-              ) -> dict[str, Any]:  # fmt: skip
+def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int,
+              same_policy: bool = True) -> dict[str, Any]:  # fmt: skip
     """Both sides at one batch size (module docstring)."""
     tlt_cfg = cfg if cfg.spec.mode != "off" else dataclasses.replace(
         cfg, spec=dataclasses.replace(cfg.spec, mode="adaptive"))  # fmt: skip
@@ -111,11 +133,14 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
             for k in range(warmup + steps):
                 examples = {name: next(t.iterator) for name, t in trainers.items()}
                 assert examples["plain"] == examples["tlt"], "the two sides drew other prompts"
+                if same_policy and k:  # both start every step from the plain side's policy
+                    _adopt_policy(trainers["tlt"], trainers["plain"])
+                digests = {name: _digest(t) for name, t in trainers.items()}
                 order = list(trainers) if k % 2 == 0 else list(reversed(trainers))
                 for name in order:
                     record = trainers[name].run_step(examples[name])
                     if k >= warmup:
-                        records[name].append(record)
+                        records[name].append({**record, "policy_digest": digests[name]})
             timelines = {name: t._last_timeline for name, t in trainers.items()}
             calibration = trainers["tlt"].workdir / "spec_calibration.json"
             calibration = calibration.read_text() if calibration.is_file() else None
@@ -130,6 +155,8 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
         return float(np.mean(series(name, key)))
 
     plain_step, plain_tail = mean("plain", "step_time"), mean("plain", "long_tail_s")
+    equal_lengths = [float(np.mean(np.equal(p["response_lengths"], t["response_lengths"])))
+                     for p, t in zip(records["plain"], records["tlt"], strict=True)]  # fmt: skip
     sources = sorted({k for r in records["tlt"] for k in r if k.startswith("accept_len_")})
     choices: dict[str, int] = {}
     for r in records["tlt"]:
@@ -140,6 +167,10 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
                   "sequences": cfg.rl.batch_size},
         "threshold": threshold,
         "calibration": calibration,
+        "same_policy": same_policy,
+        # Per measured step: the share of requests whose responses have the same length on
+        # both sides (with `same_policy`, most are the same response).
+        "equal_length_share": equal_lengths,
         "greedy": {**greedy, "tokens_identical": identical, "tokens": greedy_tokens,
                    "rollout_speedup_greedy": greedy["plain"]["rollout_s"]
                    / greedy["tlt"]["rollout_s"],
@@ -157,6 +188,10 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
         "long_tail_speedup": _ratio_stats(series("plain", "long_tail_s"),
                                           series("tlt", "long_tail_s")),
         "step_speedup": _ratio_stats(series("plain", "step_time"), series("tlt", "step_time")),
+        # Both sides' updates over the same tokens (`same_policy`) cost the same: this ratio's
+        # distance from 1 is the run's noise plus the responses that differ.
+        "update_speedup": _ratio_stats(series("plain", "time_update"),
+                                       series("tlt", "time_update")),
         # Programs compiled inside a measured step (a new packed row count, a new cache
         # bucket) cost once per run; a long run amortizes them, a 3-step one does not.
         "step_speedup_excluding_compiles": _ratio_stats(
@@ -191,8 +226,8 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int
 
 
 def bench_tlt(config: Any, *, steps: int = 2, warmup: int = 1,
-              batch_multipliers: tuple[int, ...] = (1, 2),
-              greedy_repeats: int = 3) -> dict[str, Any]:  # fmt: skip
+              batch_multipliers: tuple[int, ...] = (1, 2), greedy_repeats: int = 3,
+              same_policy: bool = True) -> dict[str, Any]:  # fmt: skip
     """Plain vs TLT RL steps at the config's batch and multiples of it.
 
     Args:
@@ -201,6 +236,8 @@ def bench_tlt(config: Any, *, steps: int = 2, warmup: int = 1,
       batch_multipliers: prompts per step are multiplied by these (1, 2: the default batch and
         twice it).
       greedy_repeats: timed greedy rollouts per side (after one compiling pass).
+      same_policy: start every RL step of both sides from the plain side's policy (module
+        docstring); False lets each side follow its own samples.
 
     Returns:
       JSON-serialisable results per multiplier (`by_batch`) and the machine.
@@ -213,7 +250,8 @@ def bench_tlt(config: Any, *, steps: int = 2, warmup: int = 1,
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "steps_measured": steps,
         "warmup_steps": warmup,
+        "same_policy": same_policy,
         "by_batch": {str(m): bench_one(_scaled(cfg, m), steps=steps, warmup=warmup,
-                                       greedy_repeats=greedy_repeats)
+                                       greedy_repeats=greedy_repeats, same_policy=same_policy)
                      for m in batch_multipliers},
     }  # fmt: skip
