@@ -56,10 +56,12 @@ def main(argv):
         json.dump(result, f, indent=2)
     stem = FLAGS.output_json.removesuffix(".json")
     for m, r in result["by_batch"].items():
-        # Reward and accuracy of both sides per step (same seeds), and each side's last
-        # rollout: running requests over time with SD steps shaded.
+        # Reward and accuracy of both sides per step (same seeds; with --same_policy both
+        # sample each step from the same policy, so the curves compare the two samplers), and
+        # each side's last rollout: running requests over time with SD steps shaded.
+        tlt_label = "TLT (same policy)" if FLAGS.same_policy else "TLT"
         plots.plot_tlt_vs_plain(r["per_step"]["tlt"], r["per_step"]["plain"],
-                                f"{stem}_x{m}_reward.png")  # fmt: skip
+                                f"{stem}_x{m}_reward.png", labels=(tlt_label, "plain"))  # fmt: skip
         for name, timeline in r["last_timeline"].items():
             plots.plot_rollout_timeline(timeline, r["threshold"], f"{stem}_x{m}_{name}.png",
                                         title=f"{name} rollout, batch x{m}")  # fmt: skip
