@@ -96,10 +96,15 @@ def _adopt_policy(dst: Trainer, src: Trainer) -> None:
     dst.sync_weights()
 
 
+@jax.jit
+def _abs_sum(params) -> jax.Array:
+    return sum(jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in jax.tree.leaves(params))
+
+
 def _digest(trainer: Trainer) -> float:
-    """A float64 sum of |param| over the policy: equal on two sides that hold the same one."""
-    return float(sum(np.abs(np.asarray(x)).sum(dtype=np.float64)
-                     for x in jax.tree.leaves(trainer.state.params)))  # fmt: skip
+    """The sum of |param| over the policy, computed where the params live (one scalar comes
+    back, not a 7B model): equal on two sides that hold the same params."""
+    return float(_abs_sum(trainer.state.params))
 
 
 def _ratio_stats(plain: list[float], tlt: list[float]) -> dict[str, float]:
