@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tlt_jax.models.decode import DecodeCache, cached_forward, unstack_layers
+from tlt_jax.models.decode import DecodeCache, cached_forward, move_row, unstack_layers
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import KVCache, NewKV, init_model
 from tlt_jax.programs import memory_report
@@ -45,7 +45,7 @@ def test_cache_layout_round_trips_and_resizes(model):
     assert not np.asarray(bigger.k[:, 3:]).any() and not np.asarray(bigger.v[:, :, 16:]).any()
     smaller = cache.resized(2, 8).token_major()
     np.testing.assert_array_equal(smaller.v, stacked.v[:, :2, :8])
-    moved = cache.moved(2, 0).token_major()
+    moved = jax.tree.map(lambda x: move_row(x, 2, 0), cache).token_major()  # slot 2 -> 0
     np.testing.assert_array_equal(moved.k[:, 0], stacked.k[:, 2])
     np.testing.assert_array_equal(moved.k[:, 1:], stacked.k[:, 1:])
 

@@ -246,11 +246,6 @@ class DecodeCache:
                               new.v[i : i + 1]) for i in range(self.num_layers)]  # fmt: skip
         return DecodeCache.joined(layers)
 
-    def moved(self, src, dst) -> DecodeCache:
-        """Slot `src` copied into slot `dst` (every position: the cache is its kv bucket)."""
-        return DecodeCache(k=tuple(move_row(x, src, dst) for x in self.k),
-                           v=tuple(move_row(x, src, dst) for x in self.v))  # fmt: skip
-
 
 def move_row(x: jax.Array, src, dst) -> jax.Array:
     """`x` with row `src` (leading axis) copied into row `dst`: a dynamic slice and update.
