@@ -52,14 +52,34 @@ def test_pack_rows_by_hand():
 
 @pytest.mark.parametrize(
     ("rows", "max_rows", "expected"),
-    [(0, 4, (0, 0)), (1, 12, (1, 1)), (5, 12, (1, 5)), (12, 12, (1, 12)),
-     # 7 rows: one micro-batch of 8 (cost 8.5) beats 7 of 1 (10.5) and 2 of 4 (9).
-     (7, 13, (1, 8)),
-     # 13 rows, at most 12 each: 3 x 5 (cost 16.5) beats 2 x 8 (17) and 13 x 1 (19.5).
-     (13, 12, (3, 5)), (16, 12, (2, 8)), (25, 12, (5, 5)), (7, 5, (2, 4))],
+    [(0, 4, ()), (1, 12, (1,)), (5, 12, (5,)), (12, 12, (12,)),
+     # 7 rows: 6 + 1 (cost 7 + 2 x 0.5 = 8; 5 + 2 and 4 + 3 tie, with smaller micro-batches
+     # first) beats one micro-batch of 8 (8.5) and 4 + 4 (9).
+     (7, 13, (6, 1)),
+     # 13 rows, at most 12 each: 12 + 1 (cost 14) beats 3 x 5 (16.5) and 2 x 8 (17).
+     (13, 12, (12, 1)),
+     # 16 rows: 12 + 4 and 8 + 8 both cost 17; the larger first micro-batch wins (12 is the
+     # precompiled `max_rows` shape).
+     (16, 12, (12, 4)),
+     # 25 rows: 12 + 12 + 1 and 10 + 10 + 5 both cost 26.5; 5 x 5 costs 27.5.
+     (25, 12, (12, 12, 1)),
+     (7, 5, (5, 2))],
 )  # fmt: skip
 def test_split_rows(rows, max_rows, expected):
     assert packing.split_rows(rows, max_rows) == expected
+
+
+def test_split_rows_rounds_up_only_the_last_micro_batch():
+    """Every split computes at most one bucket step more than its rows, and all micro-batches
+    but the last have the same size."""
+    for max_rows in (5, 12, 13, 24):
+        for rows in range(1, 80):
+            sizes = packing.split_rows(rows, max_rows)
+            assert sum(sizes) >= rows and max(sizes) <= max_rows
+            assert len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0]
+            assert sum(sizes[:-1]) < rows  # the last micro-batch holds real rows
+            bigger = [b for b in (*packing.ROW_BUCKETS, max_rows) if b >= sizes[-1]]
+            assert sum(sizes) - rows < sizes[-1] and sizes[-1] in bigger
 
 
 def test_packed_batch_layout_by_hand():
@@ -236,10 +256,10 @@ def test_remat_and_chunked_forward_give_the_same_loss_and_gradient(tiny, layout)
 def test_rows_per_micro_batch_are_multiples_of_the_data_degree():
     """Rows the mesh's data axis does not divide would be computed whole on every data shard:
     the geometry and every split round to multiples of it."""
-    assert packing.split_rows(7, 12, multiple=2) == (1, 8)
-    assert packing.split_rows(13, 12, multiple=4) == (2, 8)
+    assert packing.split_rows(7, 12, multiple=2) == (8,)
+    assert packing.split_rows(13, 12, multiple=4) == (12, 4)
     with pytest.raises(ValueError, match="max_rows=13 is not a multiple of the data degree 2"):
         packing.split_rows(5, 13, multiple=2)
     for rows in range(1, 40):
-        count, per = packing.split_rows(rows, 24, multiple=4)
-        assert per % 4 == 0 and count * per >= rows
+        sizes = packing.split_rows(rows, 24, multiple=4)
+        assert all(s % 4 == 0 for s in sizes) and sum(sizes) >= rows

@@ -10,9 +10,10 @@ first, join an open piece of that group (the prompt is already in the row) when 
 else open a new piece (prompt + response) in the first row with room, else a new row. Rows
 have one fixed length per run (the longest prompt plus the longest response, so anything
 fits), and a micro-batch holds up to `max_rows` of them, the token budget of a padded
-micro-batch at its longest. The rows split into micro-batches of one size from a short list
-(`ROW_BUCKETS`, so a run compiles a few shapes), the split that computes the fewest rows plus
-a small cost per micro-batch (`split_rows`). Groups whose advantages are all zero pack into
+micro-batch at its longest. The rows split into micro-batches of sizes from a short list
+(`ROW_BUCKETS`, so a run compiles a few shapes): some of one size and one smaller for the
+rest, the split that computes the fewest rows plus a small cost per micro-batch
+(`split_rows`). Groups whose advantages are all zero pack into
 micro-batches of their own, which the update skips.
 """
 
@@ -227,18 +228,31 @@ def pack_rows(prompt_lens: Sequence[int], response_lens: Sequence[int], groups: 
 MICRO_BATCH_COST_ROWS = 0.5
 
 
-def split_rows(num_rows: int, max_rows: int, multiple: int = 1) -> tuple[int, int]:
-    """(micro-batches, rows each) for `num_rows` packed rows: the cheapest split by rows
-    computed plus `MICRO_BATCH_COST_ROWS` per micro-batch, with rows per micro-batch a
-    `ROW_BUCKETS` size or `max_rows`, a multiple of `multiple` (the mesh's data degree, which
-    splits the rows; `max_rows` must be one); among equals, the fewest micro-batches."""
+def split_rows(num_rows: int, max_rows: int, multiple: int = 1) -> tuple[int, ...]:
+    """Rows per micro-batch for `num_rows` packed rows: some micro-batches of one size and,
+    when they leave rows over, one smaller micro-batch for the rest. Sizes are `ROW_BUCKETS`
+    sizes or `max_rows`, multiples of `multiple` (the mesh's data degree, which splits the
+    rows; `max_rows` must be one). The cheapest split by rows computed plus
+    `MICRO_BATCH_COST_ROWS` per micro-batch wins; among equals, the fewest micro-batches,
+    then the largest.
+
+    The full micro-batches are usually `max_rows` (the shape `Trainer.precompile` compiles),
+    and only the rest is rounded up, to the next size: 13 rows at most 12 each are 12 + 1, not
+    3 x 5 (15 computed). Per packed position a gradient step costs the same from 1 row to 10
+    (BENCHMARKS.md, "The update against one core's matmul rate"), so a small last micro-batch
+    is no slower per row.
+    """
     if num_rows == 0:
-        return 0, 0
+        return ()
     if max_rows % multiple:
         raise ValueError(f"max_rows={max_rows} is not a multiple of the data degree {multiple}")
     sizes = sorted({b for b in ROW_BUCKETS if b < max_rows and b % multiple == 0} | {max_rows})
-    splits = [(math.ceil(num_rows / r), r) for r in sizes]
-    return min(splits, key=lambda c: (c[0] * (c[1] + MICRO_BATCH_COST_ROWS), c[0]))
+    splits = []
+    for size in sizes:
+        full, rest = divmod(num_rows, size)
+        last = (next(s for s in sizes if s >= rest),) if rest else ()
+        splits.append((size,) * full + last)
+    return min(splits, key=lambda c: (sum(c) + MICRO_BATCH_COST_ROWS * len(c), len(c), -c[0]))
 
 
 def build_packed_batch(rows: list[list[tuple[int, list[int]]]], num_rows: int, row_len: int,
@@ -301,10 +315,10 @@ def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[S
             classes.append(([q for q in groups if not has_signal[q]], False))
         for members, trained in classes:
             rows = pack_rows(prompt_lens, response_lens, members, group_size, row_len)
-            count, per = split_rows(len(rows), max_rows, row_multiple)
-            step = math.ceil(len(rows) / count) if count else 0
-            for i in range(count):
-                chunk = rows[i * step : (i + 1) * step]
+            start = 0
+            for per in split_rows(len(rows), max_rows, row_multiple):
+                chunk = rows[start : start + per]
+                start += per
                 batch, spans, prompt_spans = build_packed_batch(chunk, per, row_len, prompts,
                                                                 responses)  # fmt: skip
                 pieces = {(r, q) for r, row in enumerate(chunk) for q, _ in row}
