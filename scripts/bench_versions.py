@@ -35,6 +35,9 @@ _PLAIN = flags.DEFINE_bool("plain_rollouts", True, "spec.mode=off on both sides.
 _OUTPUT = flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
 PACKAGES = ("tlt_jax", "pallas_kernels")
 KEYS = ("time_rollout", "time_logprob", "time_update", "step_time", "compile_count", "compile_s")
+# Also recorded when the side's trainer reports them (older commits may not): what the update
+# computed, so that updates over different samples compare per computed position.
+UPDATE_KEYS = ("update_tokens_computed", "update_padding_share", "micro_batches_trained")
 
 
 def resolve(ref: str) -> str:
@@ -129,6 +132,7 @@ def main(argv):
                 for name in ("old", "new") if step % 2 == 0 else ("new", "old"):
                     record = trainers[name].run_step(examples)
                     row = {k: float(record[k]) for k in KEYS}
+                    row.update({k: float(record[k]) for k in UPDATE_KEYS if k in record})
                     row["generated_tokens"] = int(sum(record["response_lengths"]))
                     records[name].append(row)
                     print(f"step {step + 1} {name}: " + ", ".join(
@@ -152,6 +156,19 @@ def main(argv):
         ],
         "total_s": {name: sum(r["step_time"] for r in recs) for name, recs in records.items()},
     }
+    if all("update_tokens_computed" in r for r in old + new):
+        # Steps after the first (its compiles): update seconds per position computed, and the
+        # positions each side computed. Samples part after step 1, so the update's own rate is
+        # the figure that compares.
+        later = {name: recs[1:] or recs for name, recs in records.items()}
+        out["update_ms_per_computed_position"] = {
+            name: (1e3 * sum(r["time_update"] for r in recs) / positions) if positions else None
+            for name, recs in later.items()
+            for positions in [sum(r["update_tokens_computed"] for r in recs)]
+        }  # fmt: skip
+        out["update_tokens_computed"] = {
+            name: [int(r["update_tokens_computed"]) for r in recs] for name, recs in records.items()
+        }  # fmt: skip
     print(json.dumps(out, indent=2))
     print(f"command: {command}")
     if _OUTPUT.value:

@@ -26,6 +26,14 @@ def test_head_beside_the_checkout_runs_the_same_steps(tmp_path):
     assert [r["generated_tokens"] for r in old] == [r["generated_tokens"] for r in new]
     assert all(r["step_time"] > 0 for r in old + new)
     assert old[0]["compile_count"] > 0  # the first step compiles on each side
+    # The same packing of the same samples (the tiny policy's groups may all be silent: then
+    # the update computes nothing and has no rate).
+    computed = result["update_tokens_computed"]
+    assert computed["old"] == computed["new"] == [r["update_tokens_computed"] for r in new]
+    rates = result["update_ms_per_computed_position"]
+    assert set(rates) == {"old", "new"}
+    assert all((v is None) == (sum(computed[k][1:]) == 0) for k, v in rates.items())
+    assert all(v is None or v > 0 for v in rates.values())
     assert len(result["step_old_over_new"]) == 2 and all(x > 0 for x in result["step_old_over_new"])
     assert result["command"].startswith("python scripts/bench_versions.py")
 
