@@ -82,6 +82,23 @@ def test_split_rows_rounds_up_only_the_last_micro_batch():
             assert sum(sizes) - rows < sizes[-1] and sizes[-1] in bigger
 
 
+def test_a_prompt_is_real_once_per_step_however_its_group_splits():
+    """Group 1 (prompt 2, responses 6 and 2) in 8-token rows, one row per micro-batch: its
+    prompt is computed twice but is real once, so the step's real tokens are 2 + 6 + 2 and the
+    repeat is padding, whatever the split."""
+    micros = packing.packed_micro_batches(
+        PROMPTS, RESPONSES, [[1]], 2, np.asarray([True, True]), row_len=8, max_rows=1,
+        include_silent=False,
+    )[0]  # fmt: skip
+    assert [m.computed for m in micros] == [8, 8]
+    assert [m.needed for m in micros] == [2 + 6, 2]
+    together = packing.packed_micro_batches(
+        PROMPTS, RESPONSES, [[1]], 2, np.asarray([True, True]), row_len=8, max_rows=2,
+        include_silent=False,
+    )[0]  # fmt: skip
+    assert [(m.computed, m.needed) for m in together] == [(16, 10)]
+
+
 def test_packed_batch_layout_by_hand():
     (micro,) = _micro(19)
     batch = micro.batch

@@ -47,7 +47,9 @@ class MicroBatch:
         layout of the features the drafter buffer gets (see `sink_rows`).
       trained: whether its policy gradient can be non-zero (some group has advantage signal).
       computed: token positions the programs compute (prompt and response sides).
-      needed: of those, real tokens: each group's prompt once, plus its responses.
+      needed: of those, real tokens: its responses, plus each group's prompt if this is the
+        first micro-batch of the step that holds it (a prompt repeated in other rows or
+        micro-batches is padding; so the step's sum is its prompts and responses).
     """
 
     batch: step_lib.SequenceBatch | step_lib.PackedBatch
@@ -315,15 +317,16 @@ def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[S
             classes.append(([q for q in groups if not has_signal[q]], False))
         for members, trained in classes:
             rows = pack_rows(prompt_lens, response_lens, members, group_size, row_len)
-            start = 0
+            start, counted = 0, set()
             for per in split_rows(len(rows), max_rows, row_multiple):
                 chunk = rows[start : start + per]
                 start += per
                 batch, spans, prompt_spans = build_packed_batch(chunk, per, row_len, prompts,
                                                                 responses)  # fmt: skip
-                pieces = {(r, q) for r, row in enumerate(chunk) for q, _ in row}
-                needed = sum(prompt_lens[q] for q in {q for _, q in pieces})
-                needed += int(sum(spans[:, 3]))
+                # A prompt is real once per step: in the first micro-batch that holds it.
+                first = {q for row in chunk for q, _ in row} - counted
+                counted |= first
+                needed = sum(prompt_lens[q] for q in first) + int(sum(spans[:, 3]))
                 micros.append(MicroBatch(batch, spans, prompt_spans, trained,
                                          per * row_len, needed))  # fmt: skip
         out.append(micros)

@@ -568,7 +568,7 @@ class Trainer:
                                      [trained, computed, needed])  # fmt: skip
             trained, computed, needed = (sum(c[k] for c in counts) for k in range(3))
         # Token positions the gradient programs computed that were not real prompt or
-        # response tokens (each group's prompt counted once per micro-batch it is in).
+        # response tokens (each trained group's prompt counted once per step).
         totals["update_padding_share"] = 1.0 - needed / computed if computed else 0.0
         totals["update_tokens_computed"] = computed
         totals["micro_batches_trained"] = trained
