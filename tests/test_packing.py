@@ -69,6 +69,27 @@ def test_split_rows(rows, max_rows, expected):
     assert packing.split_rows(rows, max_rows) == expected
 
 
+def test_split_rows_balances_the_processes_the_micro_batches_are_dealt_to():
+    """The trainer deals trained micro-batches round-robin over the processes and the
+    all-reduce waits for the busiest: the split minimises that process's rows (+ 0.5 per
+    micro-batch), not the sum."""
+    # 15 rows at most 13: one process runs 13 + 2 (cost 16); two would wait 13.5 for the
+    # first while the second had 2.5, so 8 + 8 (8.5 each).
+    assert packing.split_rows(15, 13) == (13, 2)
+    assert packing.split_rows(15, 13, processes=2) == (8, 8)
+    # 13 rows at most 12, two processes: 6 + 1 and 6 (8.0 and 6.5) beat 8 + 8 (8.5 each).
+    assert packing.split_rows(13, 12, processes=2) == (6, 6, 1)
+    # 14 rows on four processes: one micro-batch each, the last of 2 rows (4 x 4 has the
+    # same busiest load and computes 2 rows more).
+    assert packing.split_rows(14, 13, processes=4) == (4, 4, 4, 2)
+    with pytest.raises(ValueError, match="processes=0: expected at least 1"):
+        packing.split_rows(3, 12, processes=0)
+    for processes in (1, 2, 3):
+        for rows in range(1, 60):
+            sizes = packing.split_rows(rows, 12, processes=processes)
+            assert sum(sizes) >= rows and max(sizes) <= 12 and sum(sizes[:-1]) < rows
+
+
 def test_split_rows_rounds_up_only_the_last_micro_batch():
     """Every split computes at most one bucket step more than its rows, and all micro-batches
     but the last have the same size."""

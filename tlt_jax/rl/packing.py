@@ -230,31 +230,45 @@ def pack_rows(prompt_lens: Sequence[int], response_lens: Sequence[int], groups: 
 MICRO_BATCH_COST_ROWS = 0.5
 
 
-def split_rows(num_rows: int, max_rows: int, multiple: int = 1) -> tuple[int, ...]:
-    """Rows per micro-batch for `num_rows` packed rows: some micro-batches of one size and,
-    when they leave rows over, one smaller micro-batch for the rest. Sizes are `ROW_BUCKETS`
-    sizes or `max_rows`, multiples of `multiple` (the mesh's data degree, which splits the
-    rows; `max_rows` must be one). The cheapest split by rows computed plus
-    `MICRO_BATCH_COST_ROWS` per micro-batch wins; among equals, the fewest micro-batches,
-    then the largest.
+def split_rows(num_rows: int, max_rows: int, multiple: int = 1,
+               processes: int = 1) -> tuple[int, ...]:  # fmt: skip
+    """Rows per micro-batch for `num_rows` packed rows.
 
-    The full micro-batches are usually `max_rows` (the shape `Trainer.precompile` compiles),
-    and only the rest is rounded up, to the next size: 13 rows at most 12 each are 12 + 1, not
-    3 x 5 (15 computed). Per packed position a gradient step costs the same from 1 row to 10
-    (BENCHMARKS.md, "The update against one core's matmul rate"), so a small last micro-batch
-    is no slower per row.
+    Sizes are `ROW_BUCKETS` sizes or `max_rows`, multiples of `multiple` (the mesh's data
+    degree, which splits the rows; `max_rows` must be one). Candidates: micro-batches of one
+    size with one smaller for the rest (13 rows at most 12 each: 12 + 1, not 3 x 5), and
+    micro-batches of one size (2 x 8). The cheapest wins, by the rows the busiest process
+    computes plus `MICRO_BATCH_COST_ROWS` per micro-batch it runs: the trainer deals a step's
+    trained micro-batches round-robin over `processes`, and the gradient all-reduce before
+    the optimizer step waits for the last (where the round starts does not change the
+    busiest load). With one process that is all rows computed, and 12 + 1 wins; with two,
+    13 + 2 would leave one process 13 rows while the other has 2, so 8 + 8 wins. Among
+    equals: the fewest micro-batches, the fewest rows, the largest first micro-batch.
+
+    The full micro-batches are usually `max_rows` (the shape `Trainer.precompile` compiles).
+    Per packed position a gradient step costs the same from 1 row to 10 (BENCHMARKS.md, "The
+    update against one core's matmul rate"), so a small last micro-batch is no slower per row.
     """
     if num_rows == 0:
         return ()
     if max_rows % multiple:
         raise ValueError(f"max_rows={max_rows} is not a multiple of the data degree {multiple}")
+    if processes < 1:
+        raise ValueError(f"processes={processes}: expected at least 1")
     sizes = sorted({b for b in ROW_BUCKETS if b < max_rows and b % multiple == 0} | {max_rows})
     splits = []
     for size in sizes:
         full, rest = divmod(num_rows, size)
         last = (next(s for s in sizes if s >= rest),) if rest else ()
-        splits.append((size,) * full + last)
-    return min(splits, key=lambda c: (sum(c) + MICRO_BATCH_COST_ROWS * len(c), len(c), -c[0]))
+        splits += [(size,) * full + last, (size,) * -(-num_rows // size)]
+
+    def cost(split):
+        loads = [0.0] * processes
+        for i, rows in enumerate(split):
+            loads[i % processes] += rows + MICRO_BATCH_COST_ROWS
+        return max(loads), len(split), sum(split), -split[0]
+
+    return min(splits, key=cost)
 
 
 def build_packed_batch(rows: list[list[tuple[int, list[int]]]], num_rows: int, row_len: int,
@@ -299,13 +313,15 @@ def build_packed_batch(rows: list[list[tuple[int, list[int]]]], num_rows: int, r
 def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                          minibatches: list[list[int]], group_size: int, has_signal: np.ndarray,
                          *, row_len: int, max_rows: int, include_silent: bool,
-                         row_multiple: int = 1) -> list[list[MicroBatch]]:  # fmt: skip
+                         row_multiple: int = 1, processes: int = 1
+                         ) -> list[list[MicroBatch]]:  # fmt: skip
     """Packed micro-batches per mini-batch (`minibatches`: group indices of each).
 
     Groups with advantage signal pack first and apart from the silent ones (all-equal
     rewards), which get micro-batches of their own only with `include_silent` (a KL term or a
     feature sink needs them); those are marked untrained. Rows per micro-batch are multiples
-    of `row_multiple` (`split_rows`).
+    of `row_multiple`, split for the trained micro-batches' round-robin over `processes`
+    (`split_rows`).
     """
     prompt_lens = [len(p) for p in prompts]
     response_lens = [len(r) for r in responses]
@@ -318,7 +334,7 @@ def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[S
         for members, trained in classes:
             rows = pack_rows(prompt_lens, response_lens, members, group_size, row_len)
             start, counted = 0, set()
-            for per in split_rows(len(rows), max_rows, row_multiple):
+            for per in split_rows(len(rows), max_rows, row_multiple, processes):
                 chunk = rows[start : start + per]
                 start += per
                 batch, spans, prompt_spans = build_packed_batch(chunk, per, row_len, prompts,
@@ -347,12 +363,13 @@ def run_geometry(rl, rollout, data: int = 1) -> tuple[int, int]:
 
 
 def micro_batches(rl, rollout, prompts, responses, has_signal: np.ndarray, *,
-                  include_silent: bool, data: int = 1
+                  include_silent: bool, data: int = 1, processes: int = 1
                   ) -> tuple[list[list[int]], list[list[MicroBatch]]]:  # fmt: skip
     """(group indices per mini-batch, `MicroBatch`es per mini-batch) in `rl.update_layout`.
 
     Padded: `step.plan_micro_batches` (groups of similar length share micro-batches, silent
-    ones last). Packed: mini-batches take the groups in order, then `packed_micro_batches`.
+    ones last). Packed: mini-batches take the groups in order, then `packed_micro_batches`
+    (`processes`: over how many the trainer deals the trained micro-batches).
     """
     g = rl.group_size
     if rl.update_layout == "padded":
@@ -369,7 +386,7 @@ def micro_batches(rl, rollout, prompts, responses, has_signal: np.ndarray, *,
     row_len, max_rows = run_geometry(rl, rollout, data)
     return minibatches, packed_micro_batches(
         prompts, responses, minibatches, g, has_signal, row_len=row_len, max_rows=max_rows,
-        include_silent=include_silent, row_multiple=data,
+        include_silent=include_silent, row_multiple=data, processes=processes,
     )  # fmt: skip
 
 
