@@ -53,8 +53,8 @@ def test_pack_rows_by_hand():
 @pytest.mark.parametrize(
     ("rows", "max_rows", "expected"),
     [(0, 4, ()), (1, 12, (1,)), (5, 12, (5,)), (12, 12, (12,)),
-     # 7 rows: 6 + 1 (cost 7 + 2 x 0.5 = 8; 5 + 2 and 4 + 3 tie, with smaller micro-batches
-     # first) beats one micro-batch of 8 (8.5) and 4 + 4 (9).
+     # 7 rows: 6 + 1 (cost 7 + 2 x 0.5 = 8) beats one micro-batch of 8 (8.5) and 4 + 4 (9);
+     # 5 + 2 and 4 + 3 cost 8 too, and the largest first micro-batch wins the tie.
      (7, 13, (6, 1)),
      # 13 rows, at most 12 each: 12 + 1 (cost 14) beats 3 x 5 (16.5) and 2 x 8 (17).
      (13, 12, (12, 1)),
@@ -91,8 +91,8 @@ def test_split_rows_balances_the_processes_the_micro_batches_are_dealt_to():
 
 
 def test_split_rows_rounds_up_only_the_last_micro_batch():
-    """Every split computes at most one bucket step more than its rows, and all micro-batches
-    but the last have the same size."""
+    """On one process all micro-batches but the last have one size, and only the last is
+    rounded up (to a bucket size, by less than its own size)."""
     for max_rows in (5, 12, 13, 24):
         for rows in range(1, 80):
             sizes = packing.split_rows(rows, max_rows)
