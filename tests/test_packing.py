@@ -90,6 +90,21 @@ def test_split_rows_balances_the_processes_the_micro_batches_are_dealt_to():
             assert sum(sizes) >= rows and max(sizes) <= 12 and sum(sizes[:-1]) < rows
 
 
+def test_silent_micro_batches_split_for_the_processes_only_when_dealt():
+    """Every process runs the silent groups' forward (features) unless a KL term trains them,
+    when they are dealt like the trained ones."""
+    prompts, responses = [[1, 2]] * 15, [[3] * 6] * 15  # 15 groups of one: a row each
+    rows = {}
+    for deal in (False, True):
+        (micros,) = packing.packed_micro_batches(
+            prompts, responses, [list(range(15))], 1, np.zeros(15, bool), row_len=8,
+            max_rows=13, include_silent=True, processes=2, deal_silent=deal,
+        )  # fmt: skip
+        assert not any(m.trained for m in micros)
+        rows[deal] = [m.shape[0] for m in micros]
+    assert rows == {False: [13, 2], True: [8, 8]}
+
+
 def test_split_rows_rounds_up_only_the_last_micro_batch():
     """On one process all micro-batches but the last have one size, and only the last is
     rounded up (to a bucket size, by less than its own size)."""

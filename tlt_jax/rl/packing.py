@@ -313,15 +313,17 @@ def build_packed_batch(rows: list[list[tuple[int, list[int]]]], num_rows: int, r
 def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                          minibatches: list[list[int]], group_size: int, has_signal: np.ndarray,
                          *, row_len: int, max_rows: int, include_silent: bool,
-                         row_multiple: int = 1, processes: int = 1
+                         row_multiple: int = 1, processes: int = 1, deal_silent: bool = False
                          ) -> list[list[MicroBatch]]:  # fmt: skip
     """Packed micro-batches per mini-batch (`minibatches`: group indices of each).
 
     Groups with advantage signal pack first and apart from the silent ones (all-equal
     rewards), which get micro-batches of their own only with `include_silent` (a KL term or a
     feature sink needs them); those are marked untrained. Rows per micro-batch are multiples
-    of `row_multiple`, split for the trained micro-batches' round-robin over `processes`
-    (`split_rows`).
+    of `row_multiple`. The trained micro-batches are split for the trainer's round-robin
+    over `processes` (`split_rows`), and so are the silent ones with `deal_silent` (a KL term
+    trains them); otherwise every process runs the silent ones (a forward for their
+    features), so they split as for one process.
     """
     prompt_lens = [len(p) for p in prompts]
     response_lens = [len(r) for r in responses]
@@ -334,7 +336,8 @@ def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[S
         for members, trained in classes:
             rows = pack_rows(prompt_lens, response_lens, members, group_size, row_len)
             start, counted = 0, set()
-            for per in split_rows(len(rows), max_rows, row_multiple, processes):
+            dealt_over = processes if trained or deal_silent else 1
+            for per in split_rows(len(rows), max_rows, row_multiple, dealt_over):
                 chunk = rows[start : start + per]
                 start += per
                 batch, spans, prompt_spans = build_packed_batch(chunk, per, row_len, prompts,
@@ -363,13 +366,15 @@ def run_geometry(rl, rollout, data: int = 1) -> tuple[int, int]:
 
 
 def micro_batches(rl, rollout, prompts, responses, has_signal: np.ndarray, *,
-                  include_silent: bool, data: int = 1, processes: int = 1
+                  include_silent: bool, data: int = 1, processes: int = 1,
+                  deal_silent: bool = False
                   ) -> tuple[list[list[int]], list[list[MicroBatch]]]:  # fmt: skip
     """(group indices per mini-batch, `MicroBatch`es per mini-batch) in `rl.update_layout`.
 
     Padded: `step.plan_micro_batches` (groups of similar length share micro-batches, silent
     ones last). Packed: mini-batches take the groups in order, then `packed_micro_batches`
-    (`processes`: over how many the trainer deals the trained micro-batches).
+    (`processes`: over how many the trainer deals the trained micro-batches, and the silent
+    ones with `deal_silent`).
     """
     g = rl.group_size
     if rl.update_layout == "padded":
@@ -387,6 +392,7 @@ def micro_batches(rl, rollout, prompts, responses, has_signal: np.ndarray, *,
     return minibatches, packed_micro_batches(
         prompts, responses, minibatches, g, has_signal, row_len=row_len, max_rows=max_rows,
         include_silent=include_silent, row_multiple=data, processes=processes,
+        deal_silent=deal_silent,
     )  # fmt: skip
 
 

@@ -385,6 +385,7 @@ class Trainer:
         minibatches, micro_plan = packing.micro_batches(
             cfg.rl, cfg.rollout, prompts, responses, has_signal, include_silent=needs_all,
             data=cfg.model.mesh_shape[0], processes=self.group.count,
+            deal_silent=cfg.rl.algorithm.kl_coef > 0,  # as `_trains` deals them
         )  # fmt: skip
         flat = [(i, j) for i, micros in enumerate(micro_plan) for j in range(len(micros))]
         batches, old_logprobs, ref_logprobs = {}, {}, {}
