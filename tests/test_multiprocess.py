@@ -28,7 +28,15 @@ def _records(workdir):
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_run_tlt_in_sync_and_match_one_process(tmp_path):
+# Each variant's extra overrides: the default (on-policy: the update's own forward gives the
+# drafter its features), and a log-prob recompute before the update, which each process runs
+# only on the micro-batches it trains (the drafter's features shared across processes).
+VARIANTS = {"on_policy": {}, "recompute": {"rl.recompute_logprobs": True}}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_two_processes_run_tlt_in_sync_and_match_one_process(tmp_path, variant):
+    extra = VARIANTS[variant]
     workdir = tmp_path / "two"
     env = dict(os.environ)  # one device per process; the suite's compiler options kept
     env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
@@ -37,7 +45,7 @@ def test_two_processes_run_tlt_in_sync_and_match_one_process(tmp_path):
     command = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num_processes", "2",
                "--pin_cores", "--", sys.executable, str(REPO / "scripts" / "train.py"),
                f"--config={REPO / 'configs' / 'tiny.py'}:tlt", f"--workdir={workdir}",
-               *OVERRIDES]  # fmt: skip
+               *OVERRIDES, *(f"--config.{k}={v}" for k, v in extra.items())]  # fmt: skip
     if len(os.sched_getaffinity(0)) < 2:
         command.remove("--pin_cores")
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -57,6 +65,9 @@ def test_two_processes_run_tlt_in_sync_and_match_one_process(tmp_path):
     config.total_steps, config.eval.num_problems, config.checkpoint_every = STEPS, 0, 2
     config.spec.mode = "off"
     config.rl.reward_fn = REWARD
+    for k, v in extra.items():
+        section, field = k.split(".")
+        config[section][field] = v
     trainer = Trainer(TrainConfig.from_config_dict(config), tmp_path / "one", progress=False)
     one = trainer.train()
     trainer.close()
@@ -65,5 +76,10 @@ def test_two_processes_run_tlt_in_sync_and_match_one_process(tmp_path):
         for key in ("reward_mean", "accuracy", "groups_with_signal", "micro_batches_trained",
                     "update_tokens_computed"):  # fmt: skip
             assert a[key] == b[key], key
-        for key in ("loss", "grad_norm"):
+        for key in ("loss", "grad_norm", "logprob_diff"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        if extra:  # each process recomputed half of what one process did
+            assert a["logprob_forwards"] == a["micro_batches_trained"] >= 2
+            assert b["logprob_forwards"] == -(-a["logprob_forwards"] // 2)
+        else:
+            assert a["logprob_forwards"] == b["logprob_forwards"] == 0

@@ -24,8 +24,10 @@ decode at once, and with `spot.enabled` the first idle slice trains the online d
 features of the step's forward fill its buffer) until the last slice is done; the new
 drafter version reaches every slice in the `sync` phase. Across processes completions are
 shared through the coordination service, the update is data-parallel (micro-batches dealt
-round-robin, accumulators all-reduced; every process holds the whole train state), and
-process 0 writes metrics, checkpoints and exports.
+round-robin, accumulators all-reduced; every process holds the whole train state), so is the
+forward before it (each process recomputes the old and reference log-probs of the micro-batches
+it trains; the drafter's features of them are all-reduced), and process 0 writes metrics,
+checkpoints and exports.
 
 Determinism: the request seeds of step k are a function of the run's RNG key (from `seed`,
 checkpointed) and k only, and the data iterator's position is checkpointed, so a run resumed
@@ -393,6 +395,9 @@ class Trainer:
         logprob_diffs = []
         recompute = not cfg.rl.on_policy_update
         forward = self._forward_before_update
+        owners = self._owners(micro_plan)
+        mine, others = [], []  # trained micro-batches whose forward ran here / on their owner
+        forwards = 0  # micro-batches this process ran the log-prob program on
         with (
             timer.phase("logprob"),
             progress_bar(self.progress, "logprob", len(flat)) as bar,
@@ -407,12 +412,22 @@ class Trainer:
                 # the features of what it trains; only a skipped micro-batch needs its own.
                 if not (forward or (self.sinks and not self._trains(micro))):
                     continue
+                # Only the process that trains a micro-batch needs its old and reference
+                # log-probs; the sinks get its features from that process below.
+                if owners.get(key, self.group.index) != self.group.index:
+                    others.append(key)
+                    continue
+                if key in owners:
+                    mine.append(key)
+                forwards += 1
                 logprob, _ = self._programs(batch)
                 logprobs, features[key] = logprob(self.state.params, batch)
                 if recompute:
                     old_logprobs[key] = logprobs
                 if self.reference_params is not None:
                     ref_logprobs[key] = logprob(self.reference_params, batch)[0]
+            if self.sinks and self.group.count > 1 and (mine or others):  # the same on all
+                features.update(self._share_features(features, mine, others, batches))
             jax.block_until_ready((old_logprobs, ref_logprobs, features))
         with timer.phase("update"):
             update = self._update(minibatches, micro_plan, batches, old_logprobs, ref_logprobs,
@@ -435,8 +450,14 @@ class Trainer:
             micro = micro_plan[key[0]][key[1]]
             engine_lp = [completions[b].logprobs for b in micro.response_ids]
             logprob_diffs.append(
-                step_lib.logprob_gap(micro.per_response(np.asarray(logprobs)), engine_lp)
+                (key, step_lib.logprob_gap(micro.per_response(np.asarray(logprobs)), engine_lp))
             )
+        if self.group.count > 1 and recompute:  # each process recomputed its own micro-batches
+            gathered = self.group.allgather(f"logprob_diffs/{step}", logprob_diffs)
+            logprob_diffs = sorted((tuple(k), gap) for part in gathered for k, gap in part)
+        logprob_diffs = [gap for _, gap in logprob_diffs]
+        if self.group.count > 1:  # the busiest process's
+            forwards = max(self.group.allgather(f"logprob_forwards/{step}", forwards))
 
         # The sampler's log-probs against the trainer's: from the recompute, or (on-policy)
         # from the update's forward over the trained micro-batches.
@@ -463,6 +484,7 @@ class Trainer:
             **spot.combine_rollout_stats(rollout_stats, cfg.spot.slices > 1),
             **drafter_metrics,
             "logprob_diff": logprob_diff,
+            "logprob_forwards": forwards,
             "reward_errors": scored.num_errors,
             "reward_timeouts": scored.num_timeouts,
             **timer.metrics(),
@@ -492,6 +514,22 @@ class Trainer:
         advantage micro-batch has exactly zero policy gradient (skipped unless a KL term)."""
         return self.config.rl.algorithm.kl_coef > 0 or micro.trained
 
+    def _owners(self, micro_plan) -> dict[tuple[int, int], int]:
+        """The process that trains each trained micro-batch (by key): dealt round-robin in
+        step order over the processes, the same on every process."""
+        keys = [(i, j) for i, micros in enumerate(micro_plan)
+                for j, micro in enumerate(micros) if self._trains(micro)]  # fmt: skip
+        return {key: n % self.group.count for n, key in enumerate(keys)}
+
+    def _share_features(self, features, mine, others, batches) -> dict:
+        """Every process's features of the micro-batches in `mine` (computed here) and
+        `others` (computed by their owners): an all-reduce of each owner's features and the
+        other processes' zeros (exact), the same keys in the same order on every process."""
+        local = {k: features[k] if k in mine else jax.tree.map(
+            lambda x: jnp.zeros(x.shape, x.dtype), self._feature_shapes(batches[k]))
+            for k in sorted(mine + others)}  # fmt: skip
+        return self.group.allreduce_sum(local)
+
     def _update(self, minibatches, micro_plan, batches, old_logprobs, ref_logprobs, advantages,
                 responses, engine_logprobs, features) -> dict[str, float]:  # fmt: skip
         """Gradient accumulation over micro-batches and one optimizer step per mini-batch.
@@ -512,7 +550,7 @@ class Trainer:
         """
         cfg, g = self.config, self.config.rl.group_size
         group = self.group
-        dealt = 0  # trained micro-batches so far, dealt round-robin over the processes
+        owners = self._owners(micro_plan)
         apply = self._apply_program()
         advantages = np.asarray(advantages, np.float32).reshape(-1)
         totals: dict[str, float] = {}
@@ -532,8 +570,7 @@ class Trainer:
                     key = (i, j)
                     if not self._trains(micro):
                         continue
-                    dealt += 1
-                    if (dealt - 1) % group.count != group.index:
+                    if owners[key] != group.index:
                         if from_update:  # the owner's features, summed with these zeros
                             others.append(key)
                         continue
@@ -559,11 +596,7 @@ class Trainer:
         for sums, applied in jax.device_get(pending):
             step_lib.add_minibatch_metrics(totals, sums, applied, len(micro_plan))
         if from_update and group.count > 1:
-            # The same keys in the same order on every process; each contributes its own.
-            local = {k: features[k] if k in mine else jax.tree.map(
-                lambda x: jnp.zeros(x.shape, x.dtype), self._feature_shapes(batches[k]))
-                for k in sorted(mine + others)}  # fmt: skip
-            features.update(group.allreduce_sum(local))
+            features.update(self._share_features(features, mine, others, batches))
         if group.count > 1:
             counts = group.allgather(f"update_counts/{self.step_count + 1}",
                                      [trained, computed, needed])  # fmt: skip
