@@ -36,6 +36,7 @@ from step k's checkpoint repeats the uninterrupted run's steps k + 1, ... exactl
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from pathlib import Path
@@ -456,8 +457,10 @@ class Trainer:
             gathered = self.group.allgather(f"logprob_diffs/{step}", logprob_diffs)
             logprob_diffs = sorted((tuple(k), gap) for part in gathered for k, gap in part)
         logprob_diffs = [gap for _, gap in logprob_diffs]
-        if self.group.count > 1:  # the busiest process's
-            forwards = max(self.group.allgather(f"logprob_forwards/{step}", forwards))
+        # The busiest process's: every process runs the same silent ones, and the deal of the
+        # trained ones is known everywhere (no collective needed).
+        dealt = collections.Counter(owners[k] for k in mine + others)
+        forwards += max(dealt.values(), default=0) - len(mine)
 
         # The sampler's log-probs against the trainer's: from the recompute, or (on-policy)
         # from the update's forward over the trained micro-batches.
