@@ -28,10 +28,10 @@ def tiny():
     return model, graphdef, params
 
 
-def _micro(row_len, max_rows=4, signal=(True, True), silent=False):
+def _micro(row_len, max_rows=4, signal=(True, True), silent=False, prefix_width=0):
     return packing.packed_micro_batches(
         PROMPTS, RESPONSES, [[0, 1]], 2, np.asarray(signal), row_len=row_len,
-        max_rows=max_rows, include_silent=silent,
+        max_rows=max_rows, include_silent=silent, prefix_width=prefix_width,
     )[0]  # fmt: skip
 
 
@@ -39,15 +39,41 @@ def test_pack_rows_by_hand():
     lens_p, lens_r = [len(p) for p in PROMPTS], [len(r) for r in RESPONSES]
     # Group 1 has the longest response, so it goes first: prompt 2 + 6 + 2 = 10 tokens. Group
     # 0 (5 + 3 + 1) does not fit the 2 left in a 12-token row, so it opens a second row.
-    assert packing.pack_rows(lens_p, lens_r, [0, 1], 2, 12) == [[(1, [3, 2])], [(0, [0, 1])]]
+    assert packing.pack_rows(lens_p, lens_r, [0, 1], 2, 12) == [
+        [(1, [3, 2], False)],
+        [(0, [0, 1], False)],
+    ]
     # A 19-token row holds both pieces.
-    assert packing.pack_rows(lens_p, lens_r, [0, 1], 2, 19) == [[(1, [3, 2]), (0, [0, 1])]]
+    assert packing.pack_rows(lens_p, lens_r, [0, 1], 2, 19) == [
+        [(1, [3, 2], False), (0, [0, 1], False)]
+    ]
     # A response that does not fit beside its piece's prompt opens a piece in another row.
-    assert packing.pack_rows(lens_p, lens_r, [1], 2, 8) == [[(1, [3])], [(1, [2])]]
+    assert packing.pack_rows(lens_p, lens_r, [1], 2, 8) == [[(1, [3], False)], [(1, [2], False)]]
     with pytest.raises(ValueError, match=r"prompt 1 \(2 tokens\) \+ response 3 \(6 tokens\) = 8"):
         packing.pack_rows(lens_p, lens_r, [1], 2, 7)
     # Empty responses take no room.
-    assert packing.pack_rows([3], [0, 2], [0], 2, 8) == [[(0, [1])]]
+    assert packing.pack_rows([3], [0, 2], [0], 2, 8) == [[(0, [1], False)]]
+
+
+def test_pack_rows_continues_a_prompt_only_within_a_micro_batch():
+    lens_p, lens_r = [len(p) for p in PROMPTS], [len(r) for r in RESPONSES]
+    # Both rows in one micro-batch: response 2 continues group 1's piece without its prompt.
+    assert packing.pack_rows(lens_p, lens_r, [1], 2, 8, bins=[2]) == [
+        [(1, [3], False)],
+        [(1, [2], True)],
+    ]
+    # One row per micro-batch: the prompt must be repeated.
+    assert packing.pack_rows(lens_p, lens_r, [1], 2, 8, bins=[1, 1]) == [
+        [(1, [3], False)],
+        [(1, [2], False)],
+    ]
+    # Group 0 (longest response 3) fills row 2 (5 + 3); response 1 cannot continue in row 1,
+    # which already has a continuing piece (one a row), so it repeats its prompt there.
+    assert packing.pack_rows(lens_p, lens_r, [0, 1], 2, 8, bins=[4]) == [
+        [(1, [3], False)],
+        [(1, [2], True), (0, [1], False)],
+        [(0, [0], False)],
+    ]
 
 
 @pytest.mark.parametrize(
@@ -165,6 +191,74 @@ def test_packed_batch_layout_by_hand():
     assert [x.tolist() for x in micro.per_response(per_token)] == [[4] * 6, [3] * 2, [1] * 3, [2]]
 
 
+@pytest.mark.parametrize(("processes", "data"), [(1, 1), (2, 1), (1, 2)])
+def test_shared_prompts_cover_every_response_once_in_fewer_rows(processes, data):
+    """Random long-tail steps (8 groups of 8, 40-64-token prompts, 320-token rows, `data`
+    shards a micro-batch): with a prefix every response is still laid out once, with its
+    prompt's tokens where its spans say, every prefix reads its prompt's positions in its
+    own shard, and the busiest process never computes more rows than without."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        prompts = [list(rng.integers(1, 100, rng.integers(40, 65))) for _ in range(8)]
+        lengths = np.clip(rng.lognormal(np.log(53), 0.8, 64), 1, 256).astype(int)
+        responses = [list(rng.integers(1, 100, n)) for n in lengths]
+        signal = rng.random(8) < 0.8
+        rows = {}
+        for width in (0, 64):
+            (micros,) = packing.packed_micro_batches(
+                prompts, responses, [list(range(8))], 8, signal, row_len=320,
+                max_rows=12 if data > 1 else 13, include_silent=True, processes=processes,
+                prefix_width=width, row_multiple=data,
+            )  # fmt: skip
+            seen = []
+            for m in micros:
+                tokens = np.asarray(m.batch.tokens_RxL).reshape(-1)
+                assert m.shape[0] % data == 0 and m.batch.row_shards == data
+                per_shard = m.shape[0] // data * 320
+                for r, prefix in enumerate(np.asarray(m.batch.prefix_RxS)):
+                    shard = r * 320 // per_shard
+                    assert all(p // per_shard == shard for p in prefix[prefix >= 0])
+                    if (prefix >= 0).any():  # the prompt of the row's first response
+                        b = m.spans[m.spans[:, 1] == r][0, 0]
+                        assert tokens[prefix[prefix >= 0]].tolist() == prompts[b // 8]
+                for (b, row, col, n), (p_row, p_col, p_len) in zip(m.spans, m.prompt_spans,
+                                                                   strict=True):  # fmt: skip
+                    assert tokens[row * 320 + col : row * 320 + col + n].tolist() == responses[b]
+                    start = p_row * 320 + p_col
+                    assert tokens[start : start + p_len].tolist() == prompts[b // 8]
+                    seen.append(int(b))
+            assert sorted(seen) == list(range(64))
+            loads = [0] * processes
+            for i, m in enumerate(m for m in micros if m.trained):
+                loads[i % processes] += m.shape[0]
+            rows[width] = max(loads)
+        assert rows[64] <= rows[0]
+
+
+def test_continuing_piece_layout_by_hand():
+    """8-token rows: group 1's second response continues its prompt from row 0, and the step
+    takes 3 rows, not the 4 each piece with its prompt would."""
+    assert [m.shape for m in _micro(8)] == [(4, 8)]
+    (micro,) = _micro(8, prefix_width=6)
+    batch = micro.batch
+    assert micro.shape == (3, 8) and micro.computed == 24
+    assert micro.needed == 2 + 5 + sum(map(len, RESPONSES))
+    # Row 1: response 2 (positions 2, 3 after the 2-token prompt), then group 0's second piece.
+    np.testing.assert_array_equal(batch.tokens_RxL[1], [5, 6, 5, 6, 7, 8, 9, 4])
+    np.testing.assert_array_equal(batch.positions_RxL[1], [2, 3, 0, 1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(batch.piece_RxL[1], [0, 0, 1, 1, 1, 1, 1, 1])
+    np.testing.assert_array_equal(batch.segment_RxL[1], [1, 1, 0, 0, 0, 0, 0, 1])
+    # It reads the prompt at row 0, columns 0-1 (flat 0, 1); its first token is predicted by
+    # the prefix's last feature (-1); no other row has a prefix.
+    np.testing.assert_array_equal(batch.prefix_RxS, [[-1] * 6, [0, 1] + [-1] * 4, [-1] * 6])
+    assert batch.predictor_RxL[1, 0] == -1 and batch.predictor_RxL[1, 1] == 0
+    assert batch.predictor_RxL[1, 7] == 6
+    np.testing.assert_array_equal(micro.prompt_spans[micro.response_ids == 2], [[0, 0, 2]])
+    # A prompt longer than the prefix columns is refused before any program runs.
+    with pytest.raises(ValueError, match=r"prompt 1 \(2 tokens\) continues in row 1, past the 1"):
+        _micro(8, prefix_width=1)
+
+
 def _reference_logprobs(model, temperature=1.0):
     out = []
     for b, response in enumerate(RESPONSES):
@@ -177,11 +271,11 @@ def _reference_logprobs(model, temperature=1.0):
     return out
 
 
-@pytest.mark.parametrize("row_len", [12, 19, 24])
-def test_packed_logprobs_and_features_equal_per_sequence_forwards(tiny, row_len):
+@pytest.mark.parametrize(("row_len", "prefix_width"), [(12, 0), (19, 0), (24, 0), (8, 6)])
+def test_packed_logprobs_and_features_equal_per_sequence_forwards(tiny, row_len, prefix_width):
     model, graphdef, params = tiny
     expected = _reference_logprobs(model, temperature=0.7)
-    for micro in _micro(row_len):
+    for micro in _micro(row_len, prefix_width=prefix_width):
         batch = jax.tree.map(jnp.asarray, micro.batch)
         logprobs, features = step_lib.logprob_program(graphdef, params, batch, temperature=0.7)
         for b, got in zip(micro.response_ids, micro.per_response(logprobs), strict=True):
@@ -228,7 +322,8 @@ def test_packed_loss_and_gradient_equal_padded_and_the_reference_loss(tiny, aggr
         max_prompt=16, max_response=16,
     )[0]  # fmt: skip
     results = [_accumulate(graphdef, params, micros, algorithm, ref_shift=0.2)
-               for micros in (padded, _micro(12, max_rows=1), _micro(19))]  # fmt: skip
+               for micros in (padded, _micro(12, max_rows=1), _micro(19),
+                              _micro(8, prefix_width=6))]  # fmt: skip
     # The loss `algorithms.policy_loss` gives the whole batch, from per-sequence forwards.
     reference = _reference_logprobs(model)
     t = max(map(len, RESPONSES))
@@ -279,7 +374,7 @@ def test_remat_defaults_per_backend_and_depth():
     assert step_lib.ForwardOptions.of(RLConfig(remat=True), 2, "tpu").remat
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
 def test_remat_and_chunked_forward_give_the_same_loss_and_gradient(tiny, layout):
     """Layer remat, attention 4 (or gcd) queries at a time and the LM head 4 positions at a
     time change memory, not math: the same log-probs, loss, metrics and gradient."""
@@ -290,8 +385,10 @@ def test_remat_and_chunked_forward_give_the_same_loss_and_gradient(tiny, layout)
             PROMPTS, RESPONSES, [[[0], [1]]], 2, np.asarray([True, True]), min_bucket=8,
             max_prompt=16, max_response=16,
         )[0]  # fmt: skip
-    else:
+    elif layout == "packed":
         micros = _micro(24)
+    else:  # rows continuing prompts from other rows: the prefix mask goes by query blocks too
+        micros = _micro(8, prefix_width=6)
     chunked = step_lib.ForwardOptions(remat=True, attention_chunk=4, logits_chunk=4)
     plain = _accumulate(graphdef, params, micros, algorithm, ref_shift=0.2)
     other = _accumulate(graphdef, params, micros, algorithm, ref_shift=0.2, options=chunked)

@@ -273,3 +273,49 @@ def test_rowwise_keeps_row_math_on_each_device():
     for got, want in zip(local(*placed), plain(*args(4)), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert "shard_map" not in odd.as_text() and "shmap" not in odd.as_text()
+
+
+def test_shared_prompt_rows_read_their_prefix_on_their_own_data_shard():
+    """Packed rows over a data axis of 2 (weights replicated): rows that continue a prompt
+    from another row read it within their own shard, so the log-prob program has no
+    collective, like rows without a prefix; the same rows read through one global gather
+    (`row_shards=1`) make the partitioner move keys between devices. Log-probs equal the
+    unsharded program's."""
+    from tlt_jax.models.presets import get_preset
+    from tlt_jax.models.transformer import init_model
+    from tlt_jax.programs import collective_report
+    from tlt_jax.rl import packing
+    from tlt_jax.rl import step as step_lib
+
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(1, 200, 4)) for _ in range(6)]
+    lengths = [11, 9, 8, 5, 6, 3, 3, 3, 4, 11, 9, 12]  # groups of 2 spill into other rows
+    responses = [list(rng.integers(1, 200, n)) for n in lengths]
+    (micros,) = packing.packed_micro_batches(
+        prompts, responses, [list(range(6))], 2, np.ones(6, bool), row_len=16, max_rows=8,
+        include_silent=False, row_multiple=2, prefix_width=4,
+    )  # fmt: skip
+    (micro,) = micros  # 8 rows (10 without sharing: 8 + 2)
+    prefix = np.asarray(micro.batch.prefix_RxS)
+    assert micro.shape == (8, 16) and micro.batch.row_shards == 2
+    assert (prefix[:4] >= 0).any() and (prefix[4:] >= 0).any()  # continuing rows in both
+    assert prefix[:4].max() < 4 * 16 and prefix[4:][prefix[4:] >= 0].min() >= 4 * 16
+
+    graphdef, params = nnx.split(init_model(get_preset("tiny"), seed=0))
+    batch = jax.tree.map(jnp.asarray, micro.batch)
+    expected = step_lib.logprob_program(graphdef, params, batch, temperature=1.0)[0]
+    mesh = sharding.make_mesh((2, 1))
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(params, replicated)
+    reports = {}
+    for name, b in [("shards", batch), ("global", batch.replace(row_shards=1))]:
+        b = jax.device_put(b, replicated)
+        with sharding.use_sharding(mesh, sharding.rules_for("rollout")):
+            program = jax.jit(
+                lambda p, x: step_lib.logprob_program(graphdef, p, x, temperature=1.0)[0]
+            )
+            compiled = program.lower(params, b).compile()
+        reports[name] = collective_report(compiled)
+        np.testing.assert_allclose(np.asarray(compiled(params, b)), expected, atol=ATOL)
+    assert reports["shards"] == {}
+    assert reports["global"].get("all_gather", 0) >= 1

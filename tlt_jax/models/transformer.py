@@ -249,12 +249,59 @@ class PackedMask:
         return causal & same_piece & own_or_prompt
 
 
-AnyMask = jax.Array | CausalMask | PackedMask
+@struct.dataclass
+class PrefixedMask:
+    """A [B, T, S + T] mask: which of S prefix keys (`RowPrefix`) each query sees, then
+    `inner` over the T new keys; built a block of query rows at a time like `inner`."""
+
+    prefix_BxTxS: jax.Array
+    inner: jax.Array | CausalMask | PackedMask
+
+    def rows(self, start, size: int) -> jax.Array:
+        """Rows [start, start + size) as [B, size, S + T]."""
+        prefix = jax.lax.dynamic_slice_in_dim(self.prefix_BxTxS, start, size, axis=1)
+        inner = mask_rows(self.inner, start, size)
+        inner = jnp.broadcast_to(inner, (prefix.shape[0], size, inner.shape[-1]))
+        return jnp.concatenate([prefix, inner], axis=2)
+
+
+AnyMask = jax.Array | CausalMask | PackedMask | PrefixedMask
+
+
+@struct.dataclass
+class RowPrefix:
+    """Keys and values each row reads from other rows of the same call: a packed training row
+    whose first piece continues a group whose prompt is laid out in another row of the
+    micro-batch reads that prompt's keys and values instead of repeating its tokens.
+
+    Attributes:
+      index_BxS: int32, positions (row * T + column, rows counted within the row's shard)
+        of the call's tokens whose keys and values row b also attends to (any in-range value
+        where nothing attends).
+      mask_BxTxS: bool, which of them each new token attends to.
+      shards: the rows form this many equal contiguous blocks (the mesh's data shards) and
+        read only within their own, so the gather is a batched one the data axis splits
+        without moving keys between devices.
+    """
+
+    index_BxS: jax.Array
+    mask_BxTxS: jax.Array
+    shards: int = struct.field(pytree_node=False, default=1)
+
+    def gather(self, x_BxTx: jax.Array, index_BxS: jax.Array | None = None) -> jax.Array:
+        """[B, S, ...]: a [B, T, ...] per-token array at the prefix positions (or at
+        `index_BxS`, positions in the same form)."""
+        index = self.index_BxS if index_BxS is None else index_BxS
+        b, t = x_BxTx.shape[:2]
+        g = self.shards
+        blocks = x_BxTx.reshape(g, b // g * t, *x_BxTx.shape[2:])
+        out = jax.vmap(lambda xs, i: jnp.take(xs, i, axis=0))(blocks, index.reshape(g, -1))
+        return out.reshape(b, index.shape[1], *x_BxTx.shape[2:])
 
 
 def mask_rows(mask: AnyMask, start, size: int) -> jax.Array:
     """Query rows [start, start + size) of any mask as a (broadcastable) [B, size, T] array."""
-    if isinstance(mask, CausalMask | PackedMask):
+    if isinstance(mask, CausalMask | PackedMask | PrefixedMask):
         return mask.rows(start, size)
     return jax.lax.dynamic_slice_in_dim(mask, start, size, axis=1)
 
@@ -422,14 +469,22 @@ def decoder_layer(
     cache_mask_BxTxS: jax.Array | None = None,
     query_chunk: int = 0,
     cache_layout: str = "token_major",
+    prefix: RowPrefix | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One pre-norm decoder layer; returns the output and the new keys/values."""
+    """One pre-norm decoder layer; returns the output and the new keys/values. With `prefix`
+    (and no cache) the rows also attend to the prefix's positions of this layer's own keys
+    and values, which stand in for the cache."""
     q, k, v = attention_inputs(params, x_BxTxD, sin_cos, config, input_norm)
+    new_kv = (k, v)
+    if prefix is not None:  # the prefix's keys go before the row's own, one product for both
+        k = jnp.concatenate([prefix.gather(k), k], axis=1)
+        v = jnp.concatenate([prefix.gather(v), v], axis=1)
+        mask_BxTxT = PrefixedMask(prefix.mask_BxTxS, mask_BxTxT)
     attn = attention(
         q, k, v, mask_BxTxT, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B, attention_impl,
         cache_mask_BxTxS, query_chunk, cache_layout,
     )  # fmt: skip
-    return layer_output(params, x_BxTxD, attn, config), (k, v)
+    return layer_output(params, x_BxTxD, attn, config), new_kv
 
 
 def tied_head(x_BxTxD: jax.Array, embed_VxD: jax.Array) -> jax.Array:
@@ -539,6 +594,7 @@ class Transformer(nnx.Module):
         attention_impl: str = "xla",
         remat: bool = False,
         query_chunk: int = 0,
+        prefix: RowPrefix | None = None,
     ) -> tuple[jax.Array, NewKV]:
         """Runs the decoder over T new tokens per row.
 
@@ -555,6 +611,8 @@ class Transformer(nnx.Module):
             activations (a gradient then holds one layer's, plus every layer's input).
           query_chunk: attention `query_chunk` queries at a time (`attention`); with the
             default causal mask (or a `PackedMask`) no [B, T, T] mask is built either.
+          prefix: positions of other rows each row also attends to (`RowPrefix`, packed
+            training rows that share a prompt); not with `cache`.
 
         Returns:
           (features_BxTxD: final-norm hidden states, NewKV of the T tokens for every layer).
@@ -563,6 +621,8 @@ class Transformer(nnx.Module):
             raise ValueError(f"{attention_impl=} is not one of {list(ATTENTION_IMPLS)}")
         if (cache is None) != (cache_lens_B is None):
             raise ValueError("cache and cache_lens_B must be given together")
+        if cache is not None and prefix is not None:
+            raise ValueError("a call reads a cache or a row prefix, not both")
         config = self.config
         b, t = tokens_BxT.shape
         if mask_BxTxT is None:
@@ -575,7 +635,7 @@ class Transformer(nnx.Module):
             cache_k, cache_v = (None, None) if cache is None else cache.layer(index)
             x, kv = decoder_layer(params, x, sin_cos, mask_BxTxT, config, cache_k, cache_v,
                                   cache_lens_B, attention_impl,
-                                  query_chunk=query_chunk)  # fmt: skip
+                                  query_chunk=query_chunk, prefix=prefix)  # fmt: skip
             return x, kv
 
         if remat:

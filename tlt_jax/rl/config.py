@@ -169,6 +169,10 @@ class RLConfig:
         prompt + responses end to end, segment masks, computing about the real tokens; the
         same token budget per micro-batch as a padded one at its longest) or "padded"
         (`micro_batch_size` sequences, each padded to the micro-batch's longest response).
+      share_prompts: packed layout: a group whose responses spill into another row of the
+        micro-batch (and data shard) reads its prompt's keys and values from the row that
+        holds it instead of repeating the prompt (`packing.share_prompt_rows`; each row then
+        attends to `rollout.max_prompt_len` more keys).
       algorithm: advantage estimator, loss aggregation, clipping and KL (flat in the group).
       remat: recompute each layer in the backward pass (long responses: activations of one
         layer instead of all); None per backend (`step.default_remat`: on for CPU policies of
@@ -194,6 +198,7 @@ class RLConfig:
     max_nonfinite_steps: int = 3
     min_length_bucket: int = 16
     update_layout: str = "packed"
+    share_prompts: bool = True
     algorithm: AlgorithmConfig = AlgorithmConfig()
     remat: bool | None = None
     attention_chunk: int = 0

@@ -360,8 +360,10 @@ def lower_grad_program(config: TrainConfig, plan: RunPlan, *, prompt_len: int,
         )
         cols, rows = packing.run_geometry(rl, rollout, mesh.shape["data"])
         tokens = spec((rows, cols), jnp.int32)
+        prefix = spec((rows, packing.prefix_width(rl, rollout)), jnp.int32)
         batch = step_lib.PackedBatch(tokens, tokens, tokens, tokens, tokens,
-                                     spec((rows, cols), jnp.bool_))  # fmt: skip
+                                     spec((rows, cols), jnp.bool_), prefix,
+                                     mesh.shape["data"])  # fmt: skip
     else:
         rows, cols = rl.micro_batch_size, response_len
         p = rl.micro_batch_size // rl.group_size

@@ -47,7 +47,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
-from tlt_jax.models.transformer import KVCache, NewKV, PackedMask
+from tlt_jax.models.transformer import KVCache, NewKV, PackedMask, RowPrefix
 from tlt_jax.optim import OptimConfig
 from tlt_jax.programs import abstract_like
 from tlt_jax.rl import algorithms
@@ -82,14 +82,25 @@ class SequenceBatch:
 
 @struct.dataclass
 class PackedBatch:
-    """One packed micro-batch: R rows of L positions (host numpy until a program gets it)."""
+    """One packed micro-batch: R rows of L positions (host numpy until a program gets it).
+
+    A row's first piece may continue a group whose prompt is laid out in another row of the
+    micro-batch (`packing.pack_rows` with bins): it has no prompt tokens of its own and reads
+    that prompt's keys and values through `prefix_RxS` (`transformer.RowPrefix`).
+    """
 
     tokens_RxL: Any  # int32
     positions_RxL: Any  # int32, RoPE positions: 0.. along a prompt, continuing into responses
     piece_RxL: Any  # int32, which piece of its row a position belongs to (-1: padding)
     segment_RxL: Any  # int32, 0 on a piece's prompt, k >= 1 on its k-th response
-    predictor_RxL: Any  # int32, column of the feature that predicts this position's token
+    predictor_RxL: Any  # int32, column of the feature that predicts this position's token;
+    # -1: the last of the row's prefix (a continuing piece's first response token)
     response_mask_RxL: Any  # bool, real response tokens (the ones the loss sees)
+    prefix_RxS: Any  # int32, flat position (row * L + column) of each prompt token the row's
+    # first piece reads from another row, -1 past it or when it has its own prompt; S = 0
+    # when the run shares no prompts across rows (then no prefix is read at all)
+    row_shards: int = struct.field(pytree_node=False, default=1)  # the mesh's data shards
+    # split the rows into this many contiguous blocks; a prefix never leaves its block
 
 
 @struct.dataclass
@@ -253,6 +264,19 @@ def packed_mask(piece_RxL: jax.Array, segment_RxL: jax.Array) -> jax.Array:
     return PackedMask(piece_RxL, segment_RxL).rows(0, piece_RxL.shape[1])
 
 
+def row_prefix(batch: PackedBatch) -> RowPrefix | None:
+    """The `RowPrefix` of a packed batch (None when it has no prefix columns): a row's first
+    piece (piece 0) attends to the prompt positions `prefix_RxS` names."""
+    prefix = batch.prefix_RxS
+    if prefix.shape[1] == 0:
+        return None
+    rows, cols = batch.piece_RxL.shape
+    per_shard = rows // batch.row_shards
+    shard_start = (jnp.arange(rows) // per_shard * per_shard * cols)[:, None]
+    mask = (batch.piece_RxL == 0)[:, :, None] & (prefix >= 0)[:, None, :]
+    return RowPrefix(jnp.maximum(prefix - shard_start, 0), mask, batch.row_shards)
+
+
 def packed_forward(model, batch: PackedBatch, temperature: float,
                    options: ForwardOptions = ForwardOptions(), entropy: bool = False):  # fmt: skip
     """Log-probs of every packed position's token and the final-norm features.
@@ -264,9 +288,14 @@ def packed_forward(model, batch: PackedBatch, temperature: float,
     mask = PackedMask(batch.piece_RxL, batch.segment_RxL)
     if not options.attention_chunk:
         mask = mask.rows(0, batch.piece_RxL.shape[1])
-    features, _ = model(batch.tokens_RxL, batch.positions_RxL, mask_BxTxT=mask,
+    prefix = row_prefix(batch)
+    features, _ = model(batch.tokens_RxL, batch.positions_RxL, mask_BxTxT=mask, prefix=prefix,
                         **options.model_kwargs())  # fmt: skip
-    predicting = jnp.take_along_axis(features, batch.predictor_RxL[..., None], axis=1)
+    predictor = batch.predictor_RxL
+    predicting = jnp.take_along_axis(features, jnp.maximum(predictor, 0)[..., None], axis=1)
+    if prefix is not None:  # a continuing piece's first token: the prompt's last feature
+        last = prefix.gather(features, jnp.max(prefix.index_BxS, axis=1, keepdims=True))
+        predicting = jnp.where((predictor < 0)[..., None], last, predicting)
     logprobs, entropies = token_stats(model, predicting, batch.tokens_RxL, temperature,
                                       chunk=options.logits_chunk, entropy=entropy)  # fmt: skip
     return logprobs, entropies, features

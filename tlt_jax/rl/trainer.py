@@ -161,6 +161,7 @@ class Trainer:
         )
         self.row_len, self.max_rows = packing.run_geometry(cfg.rl, cfg.rollout,
                                                            cfg.model.mesh_shape[0])  # fmt: skip
+        self.prefix_width = packing.prefix_width(cfg.rl, cfg.rollout)
 
         total_updates = cfg.total_steps * cfg.rl.num_minibatches
         self.optimizer = step_lib.make_optimizer(cfg.optim, total_updates)
@@ -310,7 +311,9 @@ class Trainer:
         prompts = [self.encode(ex["question"]) for ex in examples[:groups]]
         if cfg.rl.update_layout == "packed":
             # The full-size packed micro-batch (smaller row counts compile when first met).
-            batch = packing.build_packed_batch([], self.max_rows, self.row_len, [], [])[0]
+            batch = packing.build_packed_batch([], self.max_rows, self.row_len, [], [],
+                                               self.prefix_width,
+                                               cfg.model.mesh_shape[0])[0]  # fmt: skip
         else:
             responses = [[0] * cfg.rollout.max_new_tokens] * (groups * cfg.rl.group_size)
             batch = step_lib.build_sequence_batch(
