@@ -310,7 +310,7 @@ def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0, options=None
 
 @pytest.mark.parametrize(
     ("aggregation", "kl_coef"),
-    # Every aggregation, one of them with the KL term (each case compiles three layouts).
+    # Every aggregation, one of them with the KL term and shared-prompt rows (each layout compiles).
     [("token_mean", 0.0), ("seq_mean_token_mean", 0.1), ("seq_mean_token_sum", 0.0)],
 )  # fmt: skip
 def test_packed_loss_and_gradient_equal_padded_and_the_reference_loss(tiny, aggregation,
@@ -321,9 +321,11 @@ def test_packed_loss_and_gradient_equal_padded_and_the_reference_loss(tiny, aggr
         PROMPTS, RESPONSES, [[[0], [1]]], 2, np.asarray([True, True]), min_bucket=4,
         max_prompt=16, max_response=16,
     )[0]  # fmt: skip
+    layouts = [padded, _micro(12, max_rows=1), _micro(19)]
+    if kl_coef:  # rows continuing prompts from other rows (one case: each layout compiles)
+        layouts.append(_micro(8, prefix_width=6))
     results = [_accumulate(graphdef, params, micros, algorithm, ref_shift=0.2)
-               for micros in (padded, _micro(12, max_rows=1), _micro(19),
-                              _micro(8, prefix_width=6))]  # fmt: skip
+               for micros in layouts]  # fmt: skip
     # The loss `algorithms.policy_loss` gives the whole batch, from per-sequence forwards.
     reference = _reference_logprobs(model)
     t = max(map(len, RESPONSES))
