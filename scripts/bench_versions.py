@@ -79,13 +79,17 @@ def known_fields(config: dict, known: dict, path: str = "") -> tuple[dict, dict]
     """(`config` without the fields an older version's defaults `known` lack, those fields).
 
     A field added after `--ref` is left out of the old side's config (the old code has no such
-    setting: it runs as it did); the dropped fields are printed and written to the JSON.
+    setting: it runs as it did), and so is one this checkout leaves unset (None: resolved per
+    backend) where the old version has a value (it keeps its own default); the dropped fields
+    are printed and written to the JSON.
     """
     kept, dropped = {}, {}
     for key, value in config.items():
         name = f"{path}{key}"
         if key not in known:
             dropped[name] = value
+        elif value is None and known[key] is not None:
+            kept[key], dropped[name] = known[key], value
         elif isinstance(value, dict) and isinstance(known[key], dict):
             kept[key], more = known_fields(value, known[key], f"{name}.")
             dropped.update(more)

@@ -52,9 +52,14 @@ def test_fields_an_older_version_lacks_are_left_out_of_its_config():
         sys.path.remove(str(REPO / "scripts"))
     config = {"seed": 1, "spec": {"mode": "off", "max_cost_ratio": 1.5},
               "spot": {"enabled": True, "silent_features": False},
+              "rl": {"logits_chunk": None, "remat": None},
               "new_group": {"x": 1}}  # fmt: skip
-    known = {"seed": 0, "spec": {"mode": "adaptive"}, "spot": {"enabled": False}}
+    known = {"seed": 0, "spec": {"mode": "adaptive"}, "spot": {"enabled": False},
+             "rl": {"logits_chunk": 0, "remat": None}}  # fmt: skip
     kept, dropped = known_fields(config, known)
-    assert kept == {"seed": 1, "spec": {"mode": "off"}, "spot": {"enabled": True}}
+    # A field now unset (None: per backend) that the old version has a value for keeps the
+    # old version's own default.
+    assert kept == {"seed": 1, "spec": {"mode": "off"}, "spot": {"enabled": True},
+                    "rl": {"logits_chunk": 0, "remat": None}}  # fmt: skip
     assert dropped == {"spec.max_cost_ratio": 1.5, "spot.silent_features": False,
-                       "new_group": {"x": 1}}  # fmt: skip
+                       "rl.logits_chunk": None, "new_group": {"x": 1}}  # fmt: skip

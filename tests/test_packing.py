@@ -363,8 +363,9 @@ def test_packed_geometry_keeps_the_padded_token_budget():
     assert packing.packed_geometry(30, 4, 1, 1, 16) == (48, 1)
 
 
-def test_remat_defaults_per_backend_and_depth():
-    """Unset, remat is on for deep policies on CPU only; a config's choice always wins."""
+def test_remat_and_logits_chunk_defaults_per_backend():
+    """Unset, remat is on for deep policies on CPU only and the LM head goes by blocks on CPU
+    only; a config's choice always wins."""
     assert step_lib.default_remat(30, "cpu") and step_lib.default_remat(8, "cpu")
     assert not step_lib.default_remat(2, "cpu")  # the test model: little to keep
     assert not step_lib.default_remat(30, "gpu") and not step_lib.default_remat(80, "tpu")
@@ -374,6 +375,12 @@ def test_remat_defaults_per_backend_and_depth():
     assert not step_lib.ForwardOptions.of(unset, 30, "tpu").remat
     assert not step_lib.ForwardOptions.of(RLConfig(remat=False), 30, "cpu").remat
     assert step_lib.ForwardOptions.of(RLConfig(remat=True), 2, "tpu").remat
+    # The LM head a block of 32 positions a row at a time on CPU, at once elsewhere, unless set.
+    assert unset.logits_chunk is None
+    assert step_lib.ForwardOptions.of(unset, 30, "cpu").logits_chunk == 32
+    assert step_lib.ForwardOptions.of(unset, 30, "gpu").logits_chunk == 0
+    assert step_lib.ForwardOptions.of(RLConfig(logits_chunk=0), 30, "cpu").logits_chunk == 0
+    assert step_lib.ForwardOptions.of(RLConfig(logits_chunk=64), 30, "tpu").logits_chunk == 64
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
