@@ -472,8 +472,8 @@ def decoder_layer(
     prefix: RowPrefix | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One pre-norm decoder layer; returns the output and the new keys/values. With `prefix`
-    (and no cache) the rows also attend to the prefix's positions of this layer's own keys
-    and values, which stand in for the cache."""
+    (and no cache) each row also attends to the prefix's positions of this layer's own keys
+    and values (other rows'), laid before the row's own keys under a `PrefixedMask`."""
     q, k, v = attention_inputs(params, x_BxTxD, sin_cos, config, input_norm)
     new_kv = (k, v)
     if prefix is not None:  # the prefix's keys go before the row's own, one product for both
