@@ -275,6 +275,13 @@ def pack_rows(prompt_lens: Sequence[int], response_lens: Sequence[int], groups: 
     return rows
 
 
+# A split's micro-batches: each one's packed rows (lists of `Piece`s) and the rows it computes.
+Plan = list[tuple[list[list[Piece]], int]]
+
+# Repacks tried by `share_prompt_rows`, each into the best split of the previous one's rows.
+SHARE_REPACKS = 2
+
+
 # What one more micro-batch costs, in rows, when choosing a split: its fixed work (reading the
 # weights, adding into the gradient accumulator, a dispatch) and smaller, less efficient
 # matmuls. Half a row keeps micro-batches few and large unless splitting saves real rows.
@@ -446,15 +453,9 @@ def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[S
     return out
 
 
-# Repacks tried by `share_prompt_rows`, each into the best split of the previous one's rows.
-SHARE_REPACKS = 2
-
-Plan = list[tuple[list[list[Piece]], int]]  # per micro-batch: its rows, rows computed
-
-
-def share_prompt_rows(prompt_lens, response_lens, groups, group_size: int, row_len: int,
-                      max_rows: int, multiple: int, processes: int, plan: Plan
-                      ) -> Plan:  # fmt: skip
+def share_prompt_rows(prompt_lens: Sequence[int], response_lens: Sequence[int],
+                      groups: Sequence[int], group_size: int, row_len: int, max_rows: int,
+                      multiple: int, processes: int, plan: Plan) -> Plan:  # fmt: skip
     """`plan` or a repack that computes less, whose rows continue prompts laid out in other
     rows of their micro-batch and data shard.
 
