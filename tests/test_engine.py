@@ -313,6 +313,51 @@ def test_a_data_sharded_engine_keeps_each_slots_math_on_its_device(model):
     assert max(k[1] for k in moves) == 4  # a move of 4 slots sends 1 row, not 4
 
 
+def test_a_tensor_sharded_engine_samples_from_its_own_block_of_the_vocabulary(model):
+    """The head's vocabulary split over `tensor` (a (1, 2) mesh), sampled plain and SD steps:
+    the same tokens as one device, and token choice and tree acceptance reduce over the
+    vocabulary with a few values per row (`sampling.VocabAxis`); the partitioner gathered the
+    [B, V] logits in every step (4,160 bytes per plain step and 8,256 per verify step of 1
+    row here, before)."""
+    from flax import nnx
+
+    from tlt_jax.models.drafter import init_drafter
+    from tlt_jax.parallel import sharding
+    from tlt_jax.programs import collective_report
+    from tlt_jax.rollout.adaptive import FixedPolicy, StepChoice
+
+    mesh = sharding.make_mesh((1, 2))
+    graphdef, state = nnx.split(model)
+    rules = sharding.rules_for("rollout")
+    sharded = nnx.merge(
+        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
+    )
+    drafter = init_drafter(model.config, 3)
+    config = EngineConfig(max_batch_size=4, max_seq_len=128, max_prefill_batch=2,
+                          min_kv_bucket=32, layers_per_program=0)  # fmt: skip
+    policy = FixedPolicy(StepChoice("2,2,4", "eagle"), max_batch=2)
+    engines = [RolloutEngine(m, config, drafter=drafter, step_policy=policy)
+               for m in (model, sharded)]  # fmt: skip
+    rng = np.random.default_rng(4)
+    requests = [Request(rng.integers(0, 256, rng.integers(2, 20)).tolist(), n,
+                        SamplingParams(temperature=0.8), seed=i)
+                for i, n in enumerate((3, 14, 7, 16, 9, 20))]  # fmt: skip
+    outs = [e.generate(requests) for e in engines]
+    assert [c.token_ids for c in outs[0]] == [c.token_ids for c in outs[1]]
+    for one, split in zip(outs[0], outs[1], strict=True):
+        np.testing.assert_allclose(split.logprobs, one.logprobs, atol=1e-5)
+    assert engines[1].stats.spec_steps > 0
+    steps = [k for k in engines[1].pool.keys() if k[0] in ("decode", "spec_verify")]
+    assert {k[0] for k in steps} == {"decode", "spec_verify"}
+    vocab = model.config.vocab_size
+    for key in steps:
+        rows = key[1]
+        gathered = collective_report(engines[1].pool.get(key, None, None)).get(
+            "all_gather_bytes", 0
+        )  # fmt: skip
+        assert gathered <= 32 * rows < rows * vocab * 4 // 2, (key, gathered)
+
+
 def test_a_mesh_engine_compiles_a_program_per_input_sharding(model):
     """On a mesh a compiled program accepts only the input shardings it was compiled for, and
     one program's output may come in another sharding than the last caller's (SmolLM2's layered

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tlt_jax.rollout.sampling import filtered_logits, sample_from_probs
+from tlt_jax.rollout.sampling import VocabAxis, filtered_logits, sample_from_probs
 
 RESIDUALS = ("exact", "buggy_no_removal")  # the second only exists to prove the tests can fail
 
@@ -59,6 +59,7 @@ def accept_tree(
     greedy_only: bool,
     residual: str = "exact",
     filtering: bool = True,
+    vocab_axis: str | None = None,
 ) -> Acceptance:
     """Walks every row's tree and emits the accepted drafts plus one target token.
 
@@ -73,18 +74,21 @@ def accept_tree(
       residual: "exact"; "buggy_no_removal" keeps the tried children in the correction
         distribution (wrong on purpose, for the tests' negative case only).
       filtering: static; False: no row truncates (`sampling.needs_filtering`).
+      vocab_axis: static; the mesh axis the logits' vocabulary is split over, inside
+        `shard_map` (`sampling.VocabAxis`); None: whole rows.
 
     Returns:
       `Acceptance`.
     """
     if residual not in RESIDUALS:
         raise ValueError(f"{residual=} is not one of {list(RESIDUALS)}")
-    b, t, v = logits_BxTxV.shape
+    vocab = VocabAxis(vocab_axis)
+    b, t, v = logits_BxTxV.shape  # v: this device's block of the vocabulary
     logits = logits_BxTxV.astype(jnp.float32)
     nodes = jnp.arange(t, dtype=jnp.int32)
     # child[b, n, j]: node j is a child of node n.
     child_BxTxT = (parents_BxT[:, None, :] == nodes[None, :, None]) & (nodes > 0)[None, None, :]
-    argmax_BxT = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    argmax_BxT = vocab.argmax(logits)
     hit_BxTxT = child_BxTxT & (tokens_BxT[:, None, :] == argmax_BxT[:, :, None])
     final_BxT = argmax_BxT
     temperature = jnp.ones_like(temperature_B)
@@ -96,21 +100,23 @@ def accept_tree(
         top_p_B = jnp.where(sampling_B, top_p_B, 1.0)
         filtered = filtered_logits(
             logits.reshape(b * t, v), jnp.repeat(temperature_B, t), jnp.repeat(top_k_B, t),
-            jnp.repeat(top_p_B, t), filtering=filtering,
+            jnp.repeat(top_p_B, t), filtering=filtering, vocab=vocab,
         ).reshape(b, t, v)  # fmt: skip
-        q_BxTxV = jax.nn.softmax(filtered, axis=-1)
-        q_child_BxTxT = jnp.take_along_axis(
-            q_BxTxV, jnp.broadcast_to(tokens_BxT[:, None, :], (b, t, t)), axis=-1
-        )
+        q_BxTxV = vocab.softmax(filtered)
+        q_child_BxTxT = vocab.take(q_BxTxV, jnp.broadcast_to(tokens_BxT[:, None, :], (b, t, t)))
         cumulative_BxTxT = jnp.cumsum(jnp.where(child_BxTxT, q_child_BxTxT, 0.0), axis=-1)
         # removed[b, n, x]: token x is a child of node n (the root has no parent: dropped).
+        # On a split vocabulary a token outside this device's block is dropped too.
         parent_rows = jnp.where(parents_BxT < 0, t, parents_BxT)
+        columns, inside = vocab.local(q_BxTxV, tokens_BxT)
+        if inside is not None:
+            parent_rows = jnp.where(inside, parent_rows, t)
         removed_BxTxV = (
             jnp.zeros((b, t, v), bool)
-            .at[jnp.arange(b)[:, None], parent_rows, tokens_BxT]
+            .at[jnp.arange(b)[:, None], parent_rows, columns]
             .set(True, mode="drop")
         )
-        rest_BxT = jnp.sum(jnp.where(removed_BxTxV, 0.0, q_BxTxV), axis=-1)
+        rest_BxT = vocab.sum(jnp.where(removed_BxTxV, 0.0, q_BxTxV))
         # Normalising by the children's plus the rest's mass makes "all of q on the children"
         # accept one of them for sure, instead of drawing from an empty residual.
         total_BxT = cumulative_BxTxT[..., -1] + rest_BxT
@@ -127,7 +133,7 @@ def accept_tree(
         # accepted for sure; the draw then only needs some mass to stay finite.
         residual_q = jnp.where(rest_BxT[..., None] > 0, residual_q, q_BxTxV)
         residual_BxT = sample_from_probs(
-            split[..., 1].reshape(b * t), residual_q.reshape(b * t, v)
+            split[..., 1].reshape(b * t), residual_q.reshape(b * t, v), vocab
         ).reshape(b, t)
         hit_BxTxT = jnp.where(sampling_B[:, None, None], sample_hit, hit_BxTxT)
         final_BxT = jnp.where(sampling_B[:, None], residual_BxT.astype(jnp.int32), argmax_BxT)
@@ -152,8 +158,8 @@ def accept_tree(
     emitted_BxT = jnp.where(nodes[None, :] < count_B[:, None], drafted, final_B)
     # log_softmax(logits / temperature) at (path node, emitted token), without a [B, T, V] copy.
     scaled_BxTxV = logits / temperature[:, None, None]
-    lse_BxT = jax.nn.logsumexp(scaled_BxTxV, axis=-1)
-    flat = path_BxT * v + emitted_BxT
-    picked = jnp.take_along_axis(scaled_BxTxV.reshape(b, t * v), flat, axis=1)
-    logprobs_BxT = picked - jnp.take_along_axis(lse_BxT, path_BxT, axis=1)
+    lse_BxT = vocab.logsumexp(scaled_BxTxV)
+    columns, inside = vocab.local(scaled_BxTxV, emitted_BxT)
+    picked = jnp.take_along_axis(scaled_BxTxV.reshape(b, t * v), path_BxT * v + columns, axis=1)
+    logprobs_BxT = vocab.owned(picked, inside) - jnp.take_along_axis(lse_BxT, path_BxT, axis=1)
     return Acceptance(path_BxT, emitted_BxT, logprobs_BxT, count_B)

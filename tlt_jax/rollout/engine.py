@@ -383,9 +383,10 @@ def decode_outputs(graphdef, params, state: DecodeState, drafter_params, x_Bx1xD
     lengths = state.lengths[:batch]
     features = final_features(model, x_Bx1xD)
     logits = model.logits(features)[:, 0]
-    # Rows are slots: on a mesh each device chooses its own slots' tokens (a prefill's rows are
-    # admitted requests, scattered into slots afterwards: there the partitioner places them).
-    tokens, logprobs = sharding_lib.rowwise(choose_tokens)(
+    # Rows are slots: on a mesh each device chooses its own slots' tokens from its own block of
+    # the vocabulary where the head splits it (a prefill's rows are admitted requests,
+    # scattered into slots afterwards: there the partitioner places them).
+    tokens, logprobs = sharding_lib.rowwise(choose_tokens, vocab_args=(0,))(
         logits, state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
         _step_keys(state.keys[:batch], lengths + 1), greedy_only=greedy_only,
         filtering=filtering,

@@ -2,6 +2,10 @@
 
 Dimension legend: B batch, V vocab, C candidates pre-selected per row (`PRESELECT`).
 
+Every reduction over the vocabulary goes through `VocabAxis`, so the same math runs on a whole
+row or, inside `shard_map`, on a device's block of it (the logits of a head split over the
+mesh's `tensor` axis) with collectives of a few scalars per row instead of gathering the row.
+
 Reported logprobs are `log_softmax(logits / temperature)` at the emitted token (temperature 1
 for greedy rows), i.e. the policy's own distribution before top-k / top-p truncation: that is
 what the RL trainer recomputes, so old and new logprobs compare like for like.
@@ -37,6 +41,108 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclasses.dataclass(frozen=True)
+class VocabAxis:
+    """Reductions over the vocabulary (the last dimension), whole or split over a mesh axis.
+
+    `name` None: the array holds whole rows and each reduction is the plain `jnp` one (what
+    one device computes, bit for bit). Otherwise the caller runs inside `jax.shard_map`,
+    manual over the mesh axis `name`, each device holding one contiguous block of the ids
+    (device i: [i * V_local, (i + 1) * V_local)), and reductions combine the blocks with
+    collectives of a few values per row (`sharding.rowwise(vocab_args=...)`): the [B, V]
+    logits are never gathered. Float sums then add in another order than one device's (the
+    same values to float32 rounding); maxima, argmaxes, counts and top-k values are exact.
+    """
+
+    name: str | None = None
+
+    def size(self, x: jax.Array) -> int:
+        """The whole vocabulary's size."""
+        return x.shape[-1] * (1 if self.name is None else jax.lax.axis_size(self.name))
+
+    def max(self, x: jax.Array) -> jax.Array:
+        m = jnp.max(x, axis=-1)
+        return m if self.name is None else jax.lax.pmax(m, self.name)
+
+    def min(self, x: jax.Array) -> jax.Array:
+        m = jnp.min(x, axis=-1)
+        return m if self.name is None else jax.lax.pmin(m, self.name)
+
+    def sum(self, x: jax.Array, dtype=None) -> jax.Array:
+        total = jnp.sum(x, axis=-1, dtype=dtype)
+        return total if self.name is None else jax.lax.psum(total, self.name)
+
+    def argmax(self, x: jax.Array) -> jax.Array:
+        """int32 index of each row's largest value (the first, on ties, as `jnp.argmax`)."""
+        index = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        if self.name is None:
+            return index
+        local_max = jnp.max(x, axis=-1)
+        mine = local_max == jax.lax.pmax(local_max, self.name)
+        first = jnp.where(mine, index + self._offset(x), jnp.iinfo(jnp.int32).max)
+        return jax.lax.pmin(first, self.name)
+
+    def logsumexp(self, x: jax.Array, keepdims: bool = False) -> jax.Array:
+        if self.name is None:
+            return jax.nn.logsumexp(x, axis=-1, keepdims=keepdims)
+        m = jax.lax.stop_gradient(self.max(x))
+        m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row of -inf: log(0), as jax.nn.logsumexp
+        out = m + jnp.log(self.sum(jnp.exp(x - m[..., None])))
+        return out[..., None] if keepdims else out
+
+    def softmax(self, x: jax.Array) -> jax.Array:
+        if self.name is None:
+            return jax.nn.softmax(x, axis=-1)
+        return jnp.exp(x - self.logsumexp(x, keepdims=True))
+
+    def log_softmax_at(self, x: jax.Array, ids: jax.Array) -> jax.Array:
+        """log_softmax(x) at the ids [...] of rows [..., V]."""
+        if self.name is None:
+            logprobs = jax.nn.log_softmax(x, axis=-1)
+            return jnp.take_along_axis(logprobs, ids[..., None], axis=-1)[..., 0]
+        return self.take(x, ids[..., None])[..., 0] - self.logsumexp(x)
+
+    def take(self, x: jax.Array, ids: jax.Array) -> jax.Array:
+        """x at the vocabulary ids [..., K] of rows [..., V] (`jnp.take_along_axis`)."""
+        local, inside = self.local(x, ids)
+        return self.owned(jnp.take_along_axis(x, local, axis=-1), inside)
+
+    def local(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(ids within this device's block of x's vocabulary, clipped into it; whether each
+        id is in the block, None when the rows are whole)."""
+        if self.name is None:
+            return ids, None
+        rel = ids - self._offset(x)
+        inside = (rel >= 0) & (rel < x.shape[-1])
+        return jnp.clip(rel, 0, x.shape[-1] - 1), inside
+
+    def owned(self, values: jax.Array, inside: jax.Array | None) -> jax.Array:
+        """Values read at `local` ids, each kept from the device whose block holds its id."""
+        if inside is None:
+            return values
+        return jax.lax.psum(jnp.where(inside, values, jnp.zeros_like(values)), self.name)
+
+    def top_values(self, x: jax.Array, c: int) -> jax.Array:
+        """The c largest values of each row, descending (`lax.top_k`'s values)."""
+        if self.name is None:
+            return jax.lax.top_k(x, c)[0]
+        local = jax.lax.top_k(x, min(c, x.shape[-1]))[0]
+        gathered = jax.lax.all_gather(local, self.name, axis=x.ndim - 1, tiled=True)
+        return jax.lax.top_k(gathered, c)[0]
+
+    def before_and_total(self, totals: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(the sum of `totals` over the blocks before this device's, over all blocks)."""
+        if self.name is None:
+            return jnp.zeros_like(totals), totals
+        every = jax.lax.all_gather(totals, self.name)  # [n, ...]
+        earlier = jnp.arange(every.shape[0]) < jax.lax.axis_index(self.name)
+        earlier = earlier.reshape((-1,) + (1,) * totals.ndim)
+        return jnp.sum(jnp.where(earlier, every, 0.0), axis=0), jnp.sum(every, axis=0)
+
+    def _offset(self, x: jax.Array) -> jax.Array:
+        return jax.lax.axis_index(self.name) * x.shape[-1]
+
+
 # Candidates `filtered_logits` takes per row with `lax.top_k` before any threshold search:
 # a nucleus or top-k within this many tokens costs one top-k, not a sort of the vocabulary.
 PRESELECT = 256
@@ -50,6 +156,7 @@ def filtered_logits(
     *,
     preselect: int = PRESELECT,
     filtering: bool = True,
+    vocab: VocabAxis = VocabAxis(),
 ) -> jax.Array:
     """logits / temperature with tokens outside top-k and the top-p nucleus set to -inf.
 
@@ -71,6 +178,7 @@ def filtered_logits(
       preselect: static; candidates per row for the fast path.
       filtering: static; False when no row filters (top_k 0, top_p 1 everywhere, as an RL
         rollout samples): only the scaling is traced (see `needs_filtering`).
+      vocab: how the rows' vocabulary is laid out (`VocabAxis`; whole by default).
 
     Returns:
       float32 [B, V]: the scaled logits, -inf where filtered out.
@@ -79,25 +187,24 @@ def filtered_logits(
     scaled_BxV = logits_BxV.astype(jnp.float32) / temperature_Bx1
     if not filtering:
         return scaled_BxV
-    vocab = scaled_BxV.shape[-1]
-    use_k_B = (top_k_B > 0) & (top_k_B < vocab)
+    use_k_B = (top_k_B > 0) & (top_k_B < vocab.size(scaled_BxV))
     use_p_B = top_p_B < 1
     filtering_B = use_k_B | use_p_B
 
     def truncate(scaled_BxV):
-        threshold_B = _thresholds(scaled_BxV, top_k_B, top_p_B, use_k_B, use_p_B, preselect)
+        threshold_B = _thresholds(scaled_BxV, top_k_B, top_p_B, use_k_B, use_p_B, preselect,
+                                  vocab)  # fmt: skip
         keep_BxV = (scaled_BxV >= threshold_B[:, None]) | ~filtering_B[:, None]
         return jnp.where(keep_BxV, scaled_BxV, -jnp.inf)
 
     return jax.lax.cond(jnp.any(filtering_B), truncate, lambda x: x, scaled_BxV)
 
 
-def _thresholds(scaled_BxV, top_k_B, top_p_B, use_k_B, use_p_B, preselect):
+def _thresholds(scaled_BxV, top_k_B, top_p_B, use_k_B, use_p_B, preselect, vocab: VocabAxis):
     """The smallest kept logit per row (-inf for a row that keeps everything)."""
-    vocab = scaled_BxV.shape[-1]
-    c = min(preselect, vocab)
-    top_BxC, _ = jax.lax.top_k(scaled_BxV, c)  # descending
-    log_norm_Bx1 = jax.nn.logsumexp(scaled_BxV, axis=-1, keepdims=True)
+    c = min(preselect, vocab.size(scaled_BxV))
+    top_BxC = vocab.top_values(scaled_BxV, c)  # descending
+    log_norm_Bx1 = vocab.logsumexp(scaled_BxV, keepdims=True)
     probs_BxC = jnp.exp(top_BxC - log_norm_Bx1)
     cumulative_BxC = jnp.cumsum(probs_BxC, axis=-1)
     mass_before_BxC = jnp.concatenate([jnp.zeros_like(cumulative_BxC[:, :1]),
@@ -115,7 +222,7 @@ def _thresholds(scaled_BxV, top_k_B, top_p_B, use_k_B, use_p_B, preselect):
 
     def search():
         searched_B = _searched_thresholds(scaled_BxV, log_norm_Bx1, top_k_B, top_p_B, use_k_B,
-                                          use_p_B)  # fmt: skip
+                                          use_p_B, vocab)  # fmt: skip
         return jnp.where(decided_B, threshold_B, searched_B)
 
     return jax.lax.cond(jnp.all(decided_B), lambda: threshold_B, search)
@@ -132,7 +239,8 @@ def _from_order_key(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _searched_thresholds(scaled_BxV, log_norm_Bx1, top_k_B, top_p_B, use_k_B, use_p_B):
+def _searched_thresholds(scaled_BxV, log_norm_Bx1, top_k_B, top_p_B, use_k_B, use_p_B,
+                         vocab: VocabAxis):  # fmt: skip
     """The same thresholds by bisection over the whole row, for flat distributions.
 
     The threshold is the largest logit v with at least top_k tokens >= v, or with the tokens
@@ -147,8 +255,8 @@ def _searched_thresholds(scaled_BxV, log_norm_Bx1, top_k_B, top_p_B, use_k_B, us
 
     def qualifies(key_B):
         at_least_BxV = scaled_BxV >= _from_order_key(key_B)[:, None]
-        count_B = jnp.sum(at_least_BxV, axis=-1, dtype=jnp.int32)
-        mass_B = jnp.sum(jnp.where(at_least_BxV, probs_BxV, 0.0), axis=-1)
+        count_B = vocab.sum(at_least_BxV, dtype=jnp.int32)
+        mass_B = vocab.sum(jnp.where(at_least_BxV, probs_BxV, 0.0))
         return (use_k_B & (count_B >= top_k_B)) | (use_p_B & (mass_B >= top_p_B))
 
     def halve(_, bounds):  # the answer lies in [low, high)
@@ -158,12 +266,13 @@ def _searched_thresholds(scaled_BxV, log_norm_Bx1, top_k_B, top_p_B, use_k_B, us
         up_B = open_B & qualifies(mid_B)
         return jnp.where(up_B, mid_B, low_B), jnp.where(open_B & ~up_B, mid_B, high_B)
 
-    bounds = (jnp.min(keys_BxV, axis=-1), jnp.max(keys_BxV, axis=-1) + 1)
+    bounds = (vocab.min(keys_BxV), vocab.max(keys_BxV) + 1)
     low_B, _ = jax.lax.fori_loop(0, 32, halve, bounds)
     return _from_order_key(low_B)
 
 
-def sample_from_probs(keys_B: jax.Array, probs_BxV: jax.Array) -> jax.Array:
+def sample_from_probs(keys_B: jax.Array, probs_BxV: jax.Array,
+                      vocab: VocabAxis = VocabAxis()) -> jax.Array:  # fmt: skip
     """One draw per row from (unnormalised) probabilities, by inverse CDF.
 
     Exactly categorical sampling (up to float32 rounding of the cumulative sum) from one
@@ -175,15 +284,21 @@ def sample_from_probs(keys_B: jax.Array, probs_BxV: jax.Array) -> jax.Array:
     Args:
       keys_B: one typed PRNG key per row.
       probs_BxV: non-negative weights, each row with positive mass.
+      vocab: the rows' layout (`VocabAxis`): split, each block's cumulative sum continues
+        from the mass of the blocks before it.
 
     Returns:
       int32 [B] token ids.
     """
     cdf_BxV = jnp.cumsum(probs_BxV.astype(jnp.float32), axis=-1)
-    total_B = cdf_BxV[..., -1]
+    if vocab.name is None:
+        total_B = cdf_BxV[..., -1]
+    else:
+        before_B, total_B = vocab.before_and_total(cdf_BxV[..., -1])
+        cdf_BxV = cdf_BxV + before_B[..., None]
     u_B = jax.vmap(jax.random.uniform)(keys_B) * total_B
-    index_B = jnp.sum(cdf_BxV <= u_B[..., None], axis=-1, dtype=jnp.int32)
-    return jnp.minimum(index_B, probs_BxV.shape[-1] - 1)
+    index_B = vocab.sum(cdf_BxV <= u_B[..., None], dtype=jnp.int32)
+    return jnp.minimum(index_B, vocab.size(probs_BxV) - 1)
 
 
 def needs_filtering(params: Iterable[SamplingParams]) -> bool:
@@ -204,6 +319,7 @@ def choose_tokens(
     *,
     greedy_only: bool,
     filtering: bool = True,
+    vocab_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Next token per row and its logprob.
 
@@ -213,24 +329,26 @@ def choose_tokens(
       keys_B: one typed PRNG key per row (ignored by greedy rows).
       greedy_only: static; every row is greedy (no sampling math is traced).
       filtering: static; False: no row truncates (`needs_filtering`), no filter is traced.
+      vocab_axis: static; the mesh axis the logits' vocabulary is split over, inside
+        `shard_map` (`VocabAxis`); None: whole rows.
 
     Returns:
       (tokens_B int32, logprobs_B float32).
     """
+    vocab = VocabAxis(vocab_axis)
     logits_BxV = logits_BxV.astype(jnp.float32)
-    argmax_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    argmax_B = vocab.argmax(logits_BxV)
     if greedy_only:
         tokens_B = argmax_B
-        logprobs_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+        scaled_BxV = logits_BxV
     else:
         # Greedy rows take the argmax: they need no filtering (which an all-greedy batch skips).
         sampling_B = temperature_B > 0
         masked = filtered_logits(logits_BxV, temperature_B, jnp.where(sampling_B, top_k_B, 0),
                                  jnp.where(sampling_B, top_p_B, 1.0),
-                                 filtering=filtering)  # fmt: skip
-        sampled_B = sample_from_probs(keys_B, jax.nn.softmax(masked, axis=-1))
+                                 filtering=filtering, vocab=vocab)  # fmt: skip
+        sampled_B = sample_from_probs(keys_B, vocab.softmax(masked), vocab)
         tokens_B = jnp.where(temperature_B > 0, sampled_B, argmax_B)
         temperature = jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
-        logprobs_BxV = jax.nn.log_softmax(logits_BxV / temperature, axis=-1)
-    logprobs_B = jnp.take_along_axis(logprobs_BxV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, logprobs_B
+        scaled_BxV = logits_BxV / temperature
+    return tokens_B, vocab.log_softmax_at(scaled_BxV, tokens_B)

@@ -260,8 +260,9 @@ def verify_outputs(graphdef, drafter_config: ModelConfig, params, drafter_params
     lengths = state.lengths[:batch]
     features_BxTxD = final_features(model, x_BxTxD)
     logits_BxTxV = model.logits(features_BxTxD)
-    # Rows are slots: on a mesh each device accepts its own slots' trees.
-    result = sharding_lib.rowwise(accept_tree)(
+    # Rows are slots: on a mesh each device accepts its own slots' trees, reading its own
+    # block of the vocabulary where the head splits it (no gather of the logits).
+    result = sharding_lib.rowwise(accept_tree, vocab_args=(0,))(
         logits_BxTxV, tree.tokens_BxT, tree.parents_BxT, tree.positions_BxT,
         state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
         state.keys[:batch], greedy_only=greedy_only, residual=residual, filtering=filtering,
