@@ -44,6 +44,9 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from tlt_jax import programs
+
+    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     import logging
 
     from tlt_jax.rollout import pool_bench

@@ -80,6 +80,9 @@ def parse_sides(entries: list[str]) -> tuple[tuple[str, dict], ...]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from tlt_jax import programs
+
+    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
     from tlt_jax.rl.bench import bench_rl_step, bench_update_layouts, bench_update_sides
     from tlt_jax.rl.config import UPDATE_LAYOUTS

@@ -125,6 +125,9 @@ def load_transformers(model_name):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from tlt_jax import programs
+
+    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     unknown = sorted(set(FLAGS.modes) - set(MODES))
     if unknown:
         raise app.UsageError(f"--modes {unknown} are not among {list(MODES)}")

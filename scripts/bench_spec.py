@@ -51,6 +51,9 @@ FLAGS = flags.FLAGS
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from tlt_jax import programs
+
+    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     from tlt_jax.rollout import spec_bench
 
     names = [f.name for f in dataclasses.fields(spec_bench.SpecBenchConfig)]

@@ -31,6 +31,9 @@ flags.DEFINE_string("workdir", None, "Scratch directory (default: a temporary on
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from tlt_jax import programs
+
+    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     absl_logging.set_verbosity(absl_logging.WARNING)
     from tlt_jax.parallel import distributed
 

@@ -41,6 +41,9 @@ flags.DEFINE_bool(
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from tlt_jax import programs
+
+    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax logs every file at INFO
     from tlt_jax.metrics import plots
     from tlt_jax.rl.bench_tlt import bench_tlt

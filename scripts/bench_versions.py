@@ -101,6 +101,9 @@ def known_fields(config: dict, known: dict, path: str = "") -> tuple[dict, dict]
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from tlt_jax import programs
+
+    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     if _STEPS.value < 1:
         raise app.UsageError(f"--steps={_STEPS.value} must be >= 1")
     commit = resolve(_REF.value)  # before anything loads or compiles

@@ -33,6 +33,9 @@ flags.DEFINE_integer("max_batch", 0, "Largest batch bucket timed (0: the engine'
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from tlt_jax import programs
+
+    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     from tlt_jax.rl import policy
     from tlt_jax.rl.config import TrainConfig
     from tlt_jax.rollout.calibrate import calibrate

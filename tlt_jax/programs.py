@@ -5,26 +5,124 @@ compiled once per static key (program name and bucketed shapes) and kept; steady
 traces. The pool reports each program's compile seconds and XLA's memory analysis, so a run can
 say how many programs it compiled, how long that took and how much executable memory
 (arguments, outputs, temporaries, generated code) the pool holds.
+
+Pools share what they compile within a process (`SharedPrograms`): two engines or trainers of
+the same config (the sides of a benchmark, the engines a test compares) lower the same
+programs, and the second one reuses the first one's executables instead of compiling them
+again.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import hashlib
 import math
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass
 class CompiledInfo:
     key: tuple
-    seconds: float
+    seconds: float  # lowering and compiling (lowering only when `reused`)
     memory: dict[str, int]
+    reused: bool = False  # the executable another pool of this process had compiled
+
+
+def _devices(sharding) -> tuple | None:
+    """The devices a sharding places on, in its order (a mesh's with its axis names); None
+    for a sharding that names no devices (unspecified: the compiler would choose)."""
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(mesh, jax.sharding.Mesh):
+        return (*(d.id for d in np.asarray(mesh.devices).flat), *mesh.axis_names)
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return tuple(d.id for d in sharding.device_set)
+    return None
+
+
+class SharedPrograms:
+    """Executables by what they compile, shared by every `ProgramPool` of the process.
+
+    Two lowerings get one executable only when everything the executable depends on is the
+    same: the lowered module's text (operations, constants, shardings, donation), the argument
+    and result trees, the arguments kept after pruning, and the devices of every input and
+    output sharding, in order (the text alone does not say which devices a mesh holds),
+    or, with no input committed to a device, the default device. A lowering that calls back
+    into the host, or whose lowering internals this JAX version does not expose, is never
+    shared. Bounded:
+    the `capacity` least recently used executables beyond the ones pools hold are dropped.
+
+    `enabled` False (`compile_privately`): every lowering compiles, and nothing is kept.
+    Benchmark entry points set it, so that each side they compare pays its own compiles, as
+    a run of its own would.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self.enabled = True
+        self._executables: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def fingerprint(lowered) -> str | None:
+        """The key of a `jax.stages.Lowered`, or None when it must not be shared."""
+        args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
+        needed = ("in_shardings", "out_shardings", "kept_var_idx", "committed", "host_callbacks")
+        if not isinstance(args, dict) or any(k not in args for k in needed):
+            return None
+        if args["host_callbacks"]:
+            return None
+        inputs = [_devices(s) for s in args["in_shardings"]]
+        placed = [d for d in inputs if d is not None]
+        if args["committed"] and not placed:
+            return None  # committed to devices this key could not name
+        # Nothing committed: the program runs where uncommitted arrays live.
+        default = () if placed else (str(jax.config.jax_default_device), jax.devices()[0].id)
+        outputs = [_devices(s) for s in args["out_shardings"]]
+        context = args.get("context_mesh")
+        parts = (lowered.as_text(), str(lowered.in_tree), str(lowered.out_tree),
+                 sorted(args["kept_var_idx"]), inputs, outputs, _devices(context) or (),
+                 default, jax.default_backend())  # fmt: skip
+        return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+    def compile(self, lowered) -> tuple[Any, bool]:
+        """(the executable of `lowered`, whether it was already compiled)."""
+        key = self.fingerprint(lowered) if self.enabled else None
+        if key is not None:
+            with self._lock:
+                program = self._executables.get(key)
+                if program is not None:
+                    self._executables.move_to_end(key)
+                    return program, True
+        program = lowered.compile()
+        if key is not None:
+            with self._lock:
+                self._executables[key] = program
+                while len(self._executables) > self.capacity:
+                    self._executables.popitem(last=False)
+        return program, False
+
+
+SHARED = SharedPrograms()
+
+
+@contextlib.contextmanager
+def compile_privately() -> Iterator[None]:
+    """Within the block, in every thread, pools compile every program themselves (nothing
+    from `SHARED`, and nothing they compile goes into it): for code that times compiling."""
+    enabled, SHARED.enabled = SHARED.enabled, False
+    try:
+        yield
+    finally:
+        SHARED.enabled = enabled
 
 
 def memory_report(compiled) -> dict[str, int]:
@@ -106,16 +204,15 @@ class ProgramPool:
             donate: tuple[int, ...] = (), *, sharded: bool = True):  # fmt: skip
         """The compiled program for `key`; the first time, lowers `fn` on `example_args()`
         (arrays or `ShapeDtypeStruct`s, built only then), inside the pool's sharding context
-        when `sharded`."""
+        when `sharded`, and compiles it unless another pool of the process has (`SHARED`)."""
         program = self._programs.get(key)
         if program is None:
             start = time.perf_counter()
             jitted = jax.jit(fn, donate_argnums=donate)
             context = self._context() if (sharded and self._context) else contextlib.nullcontext()
             with context:
-                program = jitted.lower(*example_args()).compile()
-            self.compiled.append(
-                CompiledInfo(key, time.perf_counter() - start, memory_report(program))
-            )
+                program, reused = SHARED.compile(jitted.lower(*example_args()))
+            self.compiled.append(CompiledInfo(key, time.perf_counter() - start,
+                                              memory_report(program), reused))  # fmt: skip
             self._programs[key] = program
         return program

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax import programs
 from tlt_jax.programs import CompiledInfo
 from tlt_jax.rollout.adaptive import (
     DRAFT_SOURCES,
@@ -201,7 +202,8 @@ def engine_config(max_batch_size: int, kv_len: int) -> EngineConfig:
 
 def compile_pool(model, drafter, plan: Plan, config: EngineConfig, *, hot_vocab: int = 0,
                  greedy: bool = False) -> list[CompiledInfo]:  # fmt: skip
-    """Runs `plan` on a fresh engine (fresh pool); returns what its pool compiled.
+    """Runs `plan` on a fresh engine (fresh pool, compiling every program itself: nothing
+    from another pool of the process); returns what its pool compiled.
 
     Each (n, choice) is one `generate` of n requests of two tokens: a prefill, then one step
     of `choice` (plain when None) at n running requests.
@@ -210,11 +212,13 @@ def compile_pool(model, drafter, plan: Plan, config: EngineConfig, *, hot_vocab:
     engine = RolloutEngine(model, config, drafter=drafter, hot_token_ids=hot)
     sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
     vocab = model.config.vocab_size
-    for n, choice in plan:
-        engine.step_policy = PlainPolicy() if choice is None else FixedPolicy(choice)
-        requests = [Request(tuple((7 * i + j) % (vocab - 1) + 1 for j in range(PROMPT_TOKENS)),
-                            2, sampling, seed=i) for i in range(n)]  # fmt: skip
-        engine.generate(requests, progress=False)
+    with programs.compile_privately():
+        for n, choice in plan:
+            engine.step_policy = PlainPolicy() if choice is None else FixedPolicy(choice)
+            requests = [Request(tuple((7 * i + j) % (vocab - 1) + 1
+                                      for j in range(PROMPT_TOKENS)), 2, sampling, seed=i)
+                        for i in range(n)]  # fmt: skip
+            engine.generate(requests, progress=False)
     return list(engine.pool.compiled)
 
 
