@@ -57,8 +57,8 @@ class SharedPrograms:
     output sharding, in order (the text alone does not say which devices a mesh holds),
     or, with no input committed to a device, the default device. A lowering that calls back
     into the host, or whose lowering internals this JAX version does not expose, is never
-    shared. Bounded:
-    the `capacity` least recently used executables beyond the ones pools hold are dropped.
+    shared. Bounded: past `capacity` entries the least recently used is dropped (pools keep
+    their own references to what they use).
 
     `enabled` False (`compile_privately`): every lowering compiles, and nothing is kept.
     Benchmark entry points set it, so that each side they compare pays its own compiles, as
