@@ -37,9 +37,6 @@ _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the resu
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from tlt_jax import programs
-
-    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     from tlt_jax.rl import bench_accept
 
     unknown = sorted(set(_VARIANTS.value) - set(bench_accept.VARIANTS))

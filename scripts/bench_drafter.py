@@ -37,9 +37,6 @@ _NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps per variant.")
 
 def main(argv):
     del argv
-    from tlt_jax import programs
-
-    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     import jax
     import jax.numpy as jnp
     import numpy as np

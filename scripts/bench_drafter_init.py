@@ -88,9 +88,6 @@ def initial_params(init: str, model, seed: int = 0):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from tlt_jax import programs
-
-    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     if not _RESPONSES.value or not Path(_RESPONSES.value).is_file():
         raise app.UsageError(
             f"--responses={_RESPONSES.value!r} must be a warm-up's responses.jsonl "

@@ -44,9 +44,6 @@ _NUM_KV_SPLITS = flags.DEFINE_integer("num_kv_splits", 0, "Kernel splits; 0 = pl
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from tlt_jax import programs
-
-    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     command = " ".join(["python", *sys.argv])
     print(f"command: {command}", flush=True)
     # JAX must not take 75% of the GPU up front: torch's implementations need memory too.

@@ -39,9 +39,6 @@ flags.DEFINE_integer("repeats", 1, "Timed passes over the steps.")
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from tlt_jax import programs
-
-    programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     from tlt_jax.rl import bench_packing
 
     config = FLAGS.config

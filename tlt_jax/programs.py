@@ -61,8 +61,8 @@ class SharedPrograms:
     their own references to what they use).
 
     `enabled` False (`compile_privately`): every lowering compiles, and nothing is kept.
-    Benchmark entry points set it, so that each side they compare pays its own compiles, as
-    a run of its own would.
+    Benchmark entry points that build engines or trainers in their own process set it, so
+    that each side they compare pays its own compiles, as a run of its own would.
     """
 
     def __init__(self, capacity: int = 256):
