@@ -224,12 +224,13 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model, layers_per
     need no collective (every device writes its own slots).
     Token choice and tree acceptance reduce over each device's block of the head's
     vocabulary with a few values per row (`sampling.VocabAxis`): the partitioner gathered
-    the [B, V] logits in every step (4,160 bytes per plain step of 4 rows here, before)."""
+    the [B, V] logits in every step (4,160 bytes per plain step of 4 rows here, before), and
+    in every prefill."""
     from flax import nnx
 
     from tlt_jax.models.drafter import init_drafter
     from tlt_jax.parallel import sharding
-    from tlt_jax.programs import collective_report
+    from tlt_jax.programs import collective_report, collectives
     from tlt_jax.rollout.adaptive import FixedPolicy, StepChoice
 
     mesh = sharding.make_mesh((2, 2))
@@ -269,6 +270,15 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model, layers_per
     for key in steps:
         report = collective_report(engines[1].pool.get(key, None, None))
         assert report.get("all_gather_bytes", 0) <= 32 * key[1], (key, report)
+    # A prefill chooses its first tokens on the vocabulary blocks too: it gathers the prompt
+    # rows its slots take, but no [B, V] logits (the sampler's top-k and cumulative sum did).
+    prefills = [k for k in engines[1].pool.keys() if k[0] == "prefill"]
+    assert prefills
+    vocab = model.config.vocab_size
+    for key in prefills:
+        found = collectives(engines[1].pool.get(key, None, None))
+        assert any(kind == "all_gather" for kind, _ in found), key  # the prompt rows
+        assert not [a for _, arrays in found for a in arrays if a[1][-1:] == (vocab,)], found
     # Caches were resized on the mesh (slots shrinking as the batch drained) and kept sharded.
     assert any(k[0] == "resize" and k[3] < k[1] for k in engines[1].pool.keys())
     if layers_per_program:

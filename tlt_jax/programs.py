@@ -141,6 +141,17 @@ _COLLECTIVE = re.compile(
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
 
 
+def collectives(compiled) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """Each collective in a compiled program: its kind ("all_gather", ...) and its output
+    arrays' (dtype, shape) per device, from the partitioned HLO text."""
+    found = []
+    for match in _COLLECTIVE.finditer(compiled.as_text()):
+        arrays = [(dtype, tuple(int(d) for d in dims.split(",") if d))
+                  for dtype, dims in _ARRAY.findall(match.group(1))]  # fmt: skip
+        found.append((match.group(2).replace("-", "_"), arrays))
+    return found
+
+
 def collective_report(compiled) -> dict[str, int]:
     """Collectives in a compiled program: count and output bytes (per device) by kind.
 
@@ -148,12 +159,11 @@ def collective_report(compiled) -> dict[str, int]:
     all-gather of a batch-sharded array that a program indexes by row.
     """
     report: dict[str, int] = {}
-    for match in _COLLECTIVE.finditer(compiled.as_text()):
-        kind = match.group(2).replace("-", "_")
+    for kind, arrays in collectives(compiled):
         size = 0
-        for dtype, dims in _ARRAY.findall(match.group(1)):
+        for dtype, shape in arrays:
             bits = 8 if dtype == "pred" else int(re.match(r"[a-z]+(\d+)", dtype).group(1))
-            size += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+            size += math.prod(shape) * bits // 8
         report[kind] = report.get(kind, 0) + 1
         report[f"{kind}_bytes"] = report.get(f"{kind}_bytes", 0) + size
     return report

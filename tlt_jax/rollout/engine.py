@@ -339,8 +339,12 @@ def prefill_program(graphdef, params, drafter_params, state: DecodeState, tokens
     prompt_lens_B = prompt_lens_U[rows_B]
     keys = jax.vmap(jax.random.key)(seeds_B)
     step_keys = _step_keys(keys, prompt_lens_B)
-    tokens, logprobs = choose_tokens(logits_B, temperature_B, top_k_B, top_p_B, step_keys,
-                                     greedy_only=greedy_only, filtering=filtering)  # fmt: skip
+    # On a mesh each device chooses from its own block of the head's vocabulary (the
+    # partitioner gathered the [B, V] logits for the sampler's top-k and cumulative sum).
+    tokens, logprobs = sharding_lib.rowwise(choose_tokens, vocab_args=(0,))(
+        logits_B, temperature_B, top_k_B, top_p_B, step_keys, greedy_only=greedy_only,
+        filtering=filtering,
+    )  # fmt: skip
     cache = state.cache.write_prompts(slots_B, rows_B, new)
 
     def put(arr, values):
@@ -384,8 +388,7 @@ def decode_outputs(graphdef, params, state: DecodeState, drafter_params, x_Bx1xD
     features = final_features(model, x_Bx1xD)
     logits = model.logits(features)[:, 0]
     # Rows are slots: on a mesh each device chooses its own slots' tokens from its own block of
-    # the vocabulary where the head splits it (a prefill's rows are admitted requests,
-    # scattered into slots afterwards: there the partitioner places them).
+    # the vocabulary where the head splits it.
     tokens, logprobs = sharding_lib.rowwise(choose_tokens, vocab_args=(0,))(
         logits, state.temperature[:batch], state.top_k[:batch], state.top_p[:batch],
         _step_keys(state.keys[:batch], lengths + 1), greedy_only=greedy_only,
