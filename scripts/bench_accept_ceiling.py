@@ -1,0 +1,100 @@
+r"""The most any drafter could accept on the policy's own samples (`tlt_jax/rl/accept_ceiling.py`).
+
+    python scripts/train_drafter.py --config configs/drafter_warmup.py:arith --workdir /tmp/warm \
+        --config.prompts=/tmp/P.jsonl --config.train.total_steps=300
+    python scripts/bench_accept_ceiling.py --responses /tmp/warm/responses.jsonl \
+        --output_json /tmp/bench_accept_ceiling.json
+
+The responses are a drafter warm-up's cached samples (`train_drafter.py` writes
+`responses.jsonl` in its workdir before it trains: the main job's prompt, sampled at its
+temperature). One policy forward over each gives every response token's rank among the
+policy's most likely tokens; walking the responses a verify step at a time gives a perfect
+drafter's tokens per verify step for chains (width 1) and trees of `--widths` children per node
+at each of `--depths`, over all responses and over the longest quarter (the requests that make
+the long tail). Divide by a verify step's cost in plain steps (`bench_rollout.py`'s
+`verify4_over_plain_bs1`, `calibrate_spec.py`) for the most SD could speed up the tail.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+
+_RESPONSES = flags.DEFINE_string("responses", None, "A warm-up workdir's responses.jsonl.")
+_OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results (JSON).")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Policy checkpoint (short name).")
+_DEPTHS = flags.DEFINE_list("depths", ["1", "2", "3", "4", "6", "8"], "Drafted levels.")
+_WIDTHS = flags.DEFINE_list("widths", ["1", "2", "4"], "Children per node (1: a chain).")
+_LIMIT = flags.DEFINE_integer("limit", 0, "Use the first N responses (0: all).")
+
+
+def _positive_ints(name: str, values: list[str]) -> list[int]:
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise app.UsageError(f"--{name}={','.join(values)!r} must be positive integers")
+    return out
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not _RESPONSES.value or not Path(_RESPONSES.value).is_file():
+        raise app.UsageError(
+            f"--responses={_RESPONSES.value!r} must be a warm-up's responses.jsonl "
+            "(train_drafter.py writes it in its workdir)"
+        )
+    if not _OUTPUT_JSON.value:
+        raise app.UsageError("--output_json is required")
+    depths = _positive_ints("depths", _DEPTHS.value)
+    widths = _positive_ints("widths", _WIDTHS.value)
+    rows = [json.loads(line) for line in Path(_RESPONSES.value).read_text().splitlines()
+            if line.strip()]  # fmt: skip
+    if _LIMIT.value:
+        rows = rows[: _LIMIT.value]
+    bad = [i for i, r in enumerate(rows) if not r.get("prompt_ids") or not r.get("response_ids")]
+    if bad:
+        raise app.UsageError(f"--responses lines {bad[:5]} lack prompt_ids / response_ids")
+
+    import numpy as np
+
+    from tlt_jax.models.checkpoints import load_model
+    from tlt_jax.rl.accept_ceiling import ceiling, sample_ranks
+
+    command = "python " + " ".join(sys.argv)
+    print(command, flush=True)
+    model = load_model(_MODEL.value)
+    start = time.perf_counter()
+    ranks = sample_ranks(model, [r["prompt_ids"] for r in rows],
+                         [r["response_ids"] for r in rows], k=max(widths))  # fmt: skip
+    lengths = np.array([len(r) for r in ranks])
+    longest = [r for r in ranks if len(r) >= np.percentile(lengths, 75)]
+    result = {
+        "command": command,
+        "responses": len(ranks),
+        "response_tokens": int(lengths.sum()),
+        "response_len_mean": float(lengths.mean()),
+        "forward_s": round(time.perf_counter() - start, 1),
+        "all": ceiling(ranks, depths, widths),
+        "longest_quarter": {
+            "responses": len(longest),
+            "response_len_mean": float(np.mean([len(r) for r in longest])),
+            **ceiling(longest, depths, widths),
+        },
+    }
+    Path(_OUTPUT_JSON.value).write_text(json.dumps(result, indent=2))
+    for part in ("all", "longest_quarter"):
+        print(f"{part}: " + "  ".join(
+            f"w{w}: " + " ".join(f"d{d}={result[part][f'top{w}_depth{d}']['accept_len']:.2f}"
+                                 for d in depths) for w in widths))  # fmt: skip
+    print(f"wrote {_OUTPUT_JSON.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)
