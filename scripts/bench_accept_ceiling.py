@@ -52,6 +52,8 @@ def main(argv):
         )
     if not _OUTPUT_JSON.value:
         raise app.UsageError("--output_json is required")
+    if _LIMIT.value < 0:
+        raise app.UsageError(f"--limit={_LIMIT.value} must be >= 0 (0: every response)")
     depths = _positive_ints("depths", _DEPTHS.value)
     widths = _positive_ints("widths", _WIDTHS.value)
     rows = [json.loads(line) for line in Path(_RESPONSES.value).read_text().splitlines()
