@@ -64,32 +64,16 @@ def main(argv):
     if bad:
         raise app.UsageError(f"--responses lines {bad[:5]} lack prompt_ids / response_ids")
 
-    import numpy as np
-
     from tlt_jax.models.checkpoints import load_model
-    from tlt_jax.rl.accept_ceiling import ceiling, sample_ranks
+    from tlt_jax.rl.accept_ceiling import measure
 
     command = "python " + " ".join(sys.argv)
     print(command, flush=True)
     model = load_model(_MODEL.value)
     start = time.perf_counter()
-    ranks = sample_ranks(model, [r["prompt_ids"] for r in rows],
-                         [r["response_ids"] for r in rows], k=max(widths))  # fmt: skip
-    lengths = np.array([len(r) for r in ranks])
-    longest = [r for r in ranks if len(r) >= np.percentile(lengths, 75)]
-    result = {
-        "command": command,
-        "responses": len(ranks),
-        "response_tokens": int(lengths.sum()),
-        "response_len_mean": float(lengths.mean()),
-        "forward_s": round(time.perf_counter() - start, 1),
-        "all": ceiling(ranks, depths, widths),
-        "longest_quarter": {
-            "responses": len(longest),
-            "response_len_mean": float(np.mean([len(r) for r in longest])),
-            **ceiling(longest, depths, widths),
-        },
-    }
+    result = measure(model, [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows],
+                     depths=depths, widths=widths)  # fmt: skip
+    result = {"command": command, "seconds": round(time.perf_counter() - start, 1), **result}
     Path(_OUTPUT_JSON.value).write_text(json.dumps(result, indent=2))
     for part in ("all", "longest_quarter"):
         print(f"{part}: " + "  ".join(

@@ -83,3 +83,17 @@ def test_sample_ranks_bad_input():
         accept_ceiling.sample_ranks(model, [[1]], [[]], k=2)
     with pytest.raises(ValueError, match="k=0"):
         accept_ceiling.sample_ranks(model, [[1]], [[3]], k=0)
+
+
+def test_measure_reports_all_responses_and_the_longest_quarter():
+    model = init_model(presets.get_preset("tiny"), seed=3)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 256, 4).tolist() for _ in range(8)]
+    responses = [rng.integers(3, 256, n).tolist() for n in (2, 3, 4, 5, 6, 7, 8, 20)]
+    out = accept_ceiling.measure(model, prompts, responses, depths=(1, 3), widths=(1, 4))
+    ranks = accept_ceiling.sample_ranks(model, prompts, responses, k=4)
+    assert out["responses"] == 8 and out["response_tokens"] == 55
+    assert out["all"] == accept_ceiling.ceiling(ranks, (1, 3), (1, 4))
+    quarter = out["longest_quarter"]  # lengths >= the 75th percentile (7.25): 8 and 20
+    assert quarter["responses"] == 2 and quarter["response_len_mean"] == 14.0
+    assert quarter["top4_depth3"] == accept_ceiling.ceiling(ranks[-2:], (3,), (4,))["top4_depth3"]

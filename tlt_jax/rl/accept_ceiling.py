@@ -117,3 +117,28 @@ def ceiling(ranks: Sequence[np.ndarray], depths: Sequence[int],
         for d in depths:
             out[f"top{w}_depth{d}"] = accept_stats([walk(h, d) for h in hits])
     return out
+
+
+def measure(model, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+            *, depths: Sequence[int], widths: Sequence[int]) -> dict[str, Any]:  # fmt: skip
+    """`ceiling` of the policy `model`'s sampled responses, over all of them and over the
+    longest quarter (the requests that make the long tail).
+
+    Returns:
+      `{"responses", "response_tokens", "response_len_mean", "all": ceiling(...),
+      "longest_quarter": {"responses", "response_len_mean", **ceiling(...)}}`.
+    """
+    ranks = sample_ranks(model, prompt_ids, response_ids, k=max(widths))
+    lengths = np.array([len(r) for r in ranks])
+    longest = [r for r in ranks if len(r) >= np.percentile(lengths, 75)]
+    return {
+        "responses": len(ranks),
+        "response_tokens": int(lengths.sum()),
+        "response_len_mean": float(lengths.mean()),
+        "all": ceiling(ranks, depths, widths),
+        "longest_quarter": {
+            "responses": len(longest),
+            "response_len_mean": float(np.mean([len(r) for r in longest])),
+            **ceiling(longest, depths, widths),
+        },
+    }
