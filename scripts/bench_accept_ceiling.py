@@ -45,24 +45,20 @@ def _positive_ints(name: str, values: list[str]) -> list[int]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not _RESPONSES.value or not Path(_RESPONSES.value).is_file():
-        raise app.UsageError(
-            f"--responses={_RESPONSES.value!r} must be a warm-up's responses.jsonl "
-            "(train_drafter.py writes it in its workdir)"
-        )
     if not _OUTPUT_JSON.value:
         raise app.UsageError("--output_json is required")
     if _LIMIT.value < 0:
         raise app.UsageError(f"--limit={_LIMIT.value} must be >= 0 (0: every response)")
     depths = _positive_ints("depths", _DEPTHS.value)
     widths = _positive_ints("widths", _WIDTHS.value)
-    rows = [json.loads(line) for line in Path(_RESPONSES.value).read_text().splitlines()
-            if line.strip()]  # fmt: skip
+    from tlt_jax.drafter.warmup import read_responses
+
+    try:
+        prompts, responses = read_responses(_RESPONSES.value or "")
+    except ValueError as e:
+        raise app.UsageError(f"--responses: {e}") from e
     if _LIMIT.value:
-        rows = rows[: _LIMIT.value]
-    bad = [i for i, r in enumerate(rows) if not r.get("prompt_ids") or not r.get("response_ids")]
-    if bad:
-        raise app.UsageError(f"--responses lines {bad[:5]} lack prompt_ids / response_ids")
+        prompts, responses = prompts[: _LIMIT.value], responses[: _LIMIT.value]
 
     from tlt_jax.models.checkpoints import load_model
     from tlt_jax.rl.accept_ceiling import measure
@@ -71,8 +67,7 @@ def main(argv):
     print(command, flush=True)
     model = load_model(_MODEL.value)
     start = time.perf_counter()
-    result = measure(model, [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows],
-                     depths=depths, widths=widths)  # fmt: skip
+    result = measure(model, prompts, responses, depths=depths, widths=widths)
     result = {"command": command, "seconds": round(time.perf_counter() - start, 1), **result}
     Path(_OUTPUT_JSON.value).write_text(json.dumps(result, indent=2))
     for part in ("all", "longest_quarter"):

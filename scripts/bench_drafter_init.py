@@ -88,17 +88,17 @@ def initial_params(init: str, model, seed: int = 0):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not _RESPONSES.value or not Path(_RESPONSES.value).is_file():
-        raise app.UsageError(
-            f"--responses={_RESPONSES.value!r} must be a warm-up's responses.jsonl "
-            "(train_drafter.py writes it in its workdir)"
-        )
     variants = parse_variants(_VARIANTS.value)
-    rows = [json.loads(line) for line in Path(_RESPONSES.value).read_text().splitlines()]
+    from tlt_jax.drafter.warmup import read_responses
+
+    try:
+        prompts, responses = read_responses(_RESPONSES.value or "")
+    except ValueError as e:
+        raise app.UsageError(f"--responses: {e}") from e
     n_train = _TRAIN_SAMPLES.value
-    if not 0 < n_train < len(rows):
+    if not 0 < n_train < len(responses):
         raise app.UsageError(f"--train_samples={n_train} must leave held-out samples of the "
-                             f"{len(rows)} responses")  # fmt: skip
+                             f"{len(responses)} responses")  # fmt: skip
 
     import jax
     import jax.numpy as jnp
@@ -111,11 +111,9 @@ def main(argv):
     from tlt_jax.rl.spot import SpotConfig
 
     model = load_model(_MODEL.value)
-    prompts = [r["prompt_ids"] for r in rows]
-    responses = [r["response_ids"] for r in rows]
     base = SpotConfig().train_config()
-    train_buffer, test_buffer = make_buffer(base, max_samples=len(rows)), make_buffer(
-        base, max_samples=len(rows))  # fmt: skip
+    train_buffer, test_buffer = make_buffer(base, max_samples=len(responses)), make_buffer(
+        base, max_samples=len(responses))  # fmt: skip
     start = time.perf_counter()
     harvest_features(model, train_buffer, prompts[:n_train], responses[:n_train])
     harvest_features(model, test_buffer, prompts[n_train:], responses[n_train:])
@@ -155,7 +153,7 @@ def main(argv):
         "command": command,
         "model": _MODEL.value,
         "train_samples": n_train,
-        "held_out_samples": len(rows) - n_train,
+        "held_out_samples": len(responses) - n_train,
         "held_out_tokens": int(sum(int(np.asarray(b.loss_mask_BxT).sum()) for b in held_out)),
         "steps": _STEPS.value,
         "spot_train_config": {

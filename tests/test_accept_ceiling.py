@@ -97,3 +97,21 @@ def test_measure_reports_all_responses_and_the_longest_quarter():
     quarter = out["longest_quarter"]  # lengths >= the 75th percentile (7.25): 8 and 20
     assert quarter["responses"] == 2 and quarter["response_len_mean"] == 14.0
     assert quarter["top4_depth3"] == accept_ceiling.ceiling(ranks[-2:], (3,), (4,))["top4_depth3"]
+
+
+def test_read_responses_reads_a_warmup_cache_and_names_bad_input(tmp_path):
+    import json
+
+    from tlt_jax.drafter.warmup import read_responses
+
+    good = tmp_path / "responses.jsonl"
+    rows = [{"prompt_ids": [1, 2], "response_ids": [3], "max_new_tokens": 8},
+            {"prompt_ids": [4], "response_ids": [5, 6], "max_new_tokens": 8}]  # fmt: skip
+    good.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert read_responses(good) == ([[1, 2], [4]], [[3], [5, 6]])
+    with pytest.raises(ValueError, match="responses='/nowhere.jsonl' must be"):
+        read_responses("/nowhere.jsonl")
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "What is 3 + 4?"}) + "\n")
+    with pytest.raises(ValueError, match=r"lines \[1\] of 2 lack prompt_ids / response_ids"):
+        read_responses(bad)

@@ -231,6 +231,24 @@ def harvest_features(
     return stored
 
 
+def read_responses(path: str | os.PathLike) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompt and response ids of a warm-up's cached `responses.jsonl` (the policy's
+    sampled answers; `bench_drafter_init.py` and `bench_accept_ceiling.py` read them).
+
+    Raises:
+      ValueError: naming the path when it is not a file, or the lines without both ids.
+    """
+    if not path or not Path(path).is_file():
+        raise ValueError(f"responses={str(path)!r} must be a warm-up's responses.jsonl "
+                         "(train_drafter.py writes it in its workdir)")  # fmt: skip
+    path = Path(path)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    bad = [i for i, r in enumerate(rows) if not r.get("prompt_ids") or not r.get("response_ids")]
+    if not rows or bad:
+        raise ValueError(f"{path}: lines {bad[:5]} of {len(rows)} lack prompt_ids / response_ids")
+    return [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows]
+
+
 def _cached_responses(path: Path, prompt_ids: list[list[int]], max_new_tokens: int):
     """Responses saved by an earlier run for exactly these prompts and length, else None."""
     if not path.is_file():
