@@ -113,5 +113,5 @@ def test_read_responses_reads_a_warmup_cache_and_names_bad_input(tmp_path):
         read_responses("/nowhere.jsonl")
     bad = tmp_path / "prompts.jsonl"
     bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "What is 3 + 4?"}) + "\n")
-    with pytest.raises(ValueError, match=r"lines \[1\] of 2 lack prompt_ids / response_ids"):
+    with pytest.raises(ValueError, match=r"records \[1\] of 2 lack prompt_ids / response_ids"):
         read_responses(bad)

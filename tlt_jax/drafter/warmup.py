@@ -245,7 +245,7 @@ def read_responses(path: str | os.PathLike) -> tuple[list[list[int]], list[list[
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     bad = [i for i, r in enumerate(rows) if not r.get("prompt_ids") or not r.get("response_ids")]
     if not rows or bad:
-        raise ValueError(f"{path}: lines {bad[:5]} of {len(rows)} lack prompt_ids / response_ids")
+        raise ValueError(f"{path}: records {bad[:5]} of {len(rows)} lack prompt_ids / response_ids")
     return [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows]
 
 
