@@ -11,8 +11,9 @@ temperature). One policy forward over each gives every response token's rank amo
 policy's most likely tokens; walking the responses a verify step at a time gives a perfect
 drafter's tokens per verify step for chains (width 1) and trees of `--widths` children per node
 at each of `--depths`, over all responses and over the longest quarter (the requests that make
-the long tail). Divide by a verify step's cost in plain steps (`bench_rollout.py`'s
-`verify4_over_plain_bs1`, `calibrate_spec.py`) for the most SD could speed up the tail.
+the long tail). Divide by what a whole SD step of depth + 1 tree tokens costs in plain steps
+(`calibrate_spec.py --verify_tokens T --max_cost_ratio 10`, per batch bucket) for the most SD
+could speed up the tail.
 """
 
 from __future__ import annotations

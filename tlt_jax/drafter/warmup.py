@@ -20,7 +20,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +186,25 @@ def generate_responses(
 HARVEST_BUCKET = 64  # harvest rows are padded to a multiple of this many tokens
 
 
+def length_batches(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                   batch_size: int) -> Iterator[tuple[list[int], np.ndarray]]:  # fmt: skip
+    """Prompt + response samples in batches of similar length: (the samples' indices, their
+    tokens [batch_size, T] int32, right-padded with zeros to a multiple of `HARVEST_BUCKET`).
+
+    Sorting by length keeps padding under `HARVEST_BUCKET` tokens per row at the price of a
+    few programs (one per length bucket); the last batch's unused rows are all padding.
+    """
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    for begin in range(0, len(order), batch_size):
+        rows = order[begin : begin + batch_size]
+        t = -(-max(lengths[i] for i in rows) // HARVEST_BUCKET) * HARVEST_BUCKET
+        tokens = np.zeros((batch_size, t), np.int32)
+        for row, i in enumerate(rows):
+            tokens[row, : lengths[i]] = [*prompt_ids[i], *response_ids[i]]
+        yield rows, tokens
+
+
 def harvest_features(
     model: Transformer,
     buffer: DrafterBuffer,
@@ -197,10 +216,8 @@ def harvest_features(
 ) -> int:
     """One policy forward over prompt + response per sample; features go into `buffer`.
 
-    Samples are batched in order of length and each batch right-padded to a multiple of
-    `HARVEST_BUCKET` tokens, so padding stays under 64 tokens per row at the price of a few
-    programs (one per length bucket). The causal mask keeps the padding out of the real
-    tokens' features, and `valid_mask` drops it from the buffer.
+    Samples are batched by length (`length_batches`). The causal mask keeps the padding out of
+    the real tokens' features, and `valid_mask` drops it from the buffer.
 
     Returns:
       The number of samples stored.
@@ -211,20 +228,15 @@ def harvest_features(
     def forward(weights, tokens_BxT, positions_BxT):
         return nnx.merge(graphdef, weights)(tokens_BxT, positions_BxT)[0]
 
-    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
     stored = 0
-    for begin in range(0, len(order), batch_size):
-        rows = order[begin : begin + batch_size]
-        t = -(-max(lengths[i] for i in rows) // HARVEST_BUCKET) * HARVEST_BUCKET
-        tokens = np.zeros((batch_size, t), np.int32)
+    for rows, tokens in length_batches(prompt_ids, response_ids, batch_size):
+        t = tokens.shape[1]
         response_mask = np.zeros((batch_size, t), bool)
         valid = np.zeros((batch_size, t), bool)
         for row, i in enumerate(rows):
-            p, r = prompt_ids[i], response_ids[i]
-            tokens[row, : len(p) + len(r)] = list(p) + list(r)
-            response_mask[row, len(p) : len(p) + len(r)] = True
-            valid[row, : len(p) + len(r)] = True
+            p, r = len(prompt_ids[i]), len(response_ids[i])
+            response_mask[row, p : p + r] = True
+            valid[row, : p + r] = True
         positions = np.broadcast_to(np.arange(t, dtype=np.int32), (batch_size, t))
         features = forward(weights, jnp.asarray(tokens), jnp.asarray(positions))
         stored += buffer.add(tokens, features, response_mask, step, valid_mask=valid)

@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tlt_jax.drafter.warmup import length_batches
 from tlt_jax.rl.accept_probe import accept_stats
-
-ROW_BUCKET = 64  # forward lengths are multiples of this: a few programs, little padding
 
 
 def sample_ranks(model, prompt_ids: Sequence[Sequence[int]],
@@ -60,15 +59,8 @@ def sample_ranks(model, prompt_ids: Sequence[Sequence[int]],
         # Position t's logits predict token t + 1.
         return jax.lax.top_k(m.logits(features[:, :-1]), k)[1]
 
-    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    ranks: list[np.ndarray | None] = [None] * len(lengths)
-    for begin in range(0, len(order), batch_size):
-        rows = order[begin : begin + batch_size]
-        t = -(-max(lengths[i] for i in rows) // ROW_BUCKET) * ROW_BUCKET
-        tokens = np.zeros((batch_size, t), np.int32)
-        for row, i in enumerate(rows):
-            tokens[row, : lengths[i]] = [*prompt_ids[i], *response_ids[i]]
+    ranks: list[np.ndarray | None] = [None] * len(prompt_ids)
+    for rows, tokens in length_batches(prompt_ids, response_ids, batch_size):
         top_BxTxk = np.asarray(top(weights, jnp.asarray(tokens)))
         for row, i in enumerate(rows):
             p, n = len(prompt_ids[i]), len(response_ids[i])
