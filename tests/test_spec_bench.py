@@ -76,6 +76,8 @@ def test_bench_fixed_eagle_keys_and_parity(aligned):
     breakdown = out["step_breakdown_bs1"]
     for key in (
         "draft_full_ms",
+        "draft_hot_ms",
+        "draft_hot_slicing_ms",
         "tree_ms",
         "verify_ms",
         "verify_accept_ms",

@@ -290,6 +290,34 @@ def test_greedy_sd_with_hot_vocab_equals_plain_greedy(aligned):
     assert means["frequent"] > 1.5 and means["cold"] == 1.0, means
 
 
+def test_draft_through_a_presliced_hot_head_is_the_same_draft(aligned):
+    """The engine slices the head's hot columns once per weight sync (`hot_head_program`) and
+    passes them to every draft step: the candidates are bit-identical to slicing in the step.
+    A head of the wrong shape, or one without its ids, is refused."""
+    model, drafter = aligned
+    graphdef, params = nnx.split(model)
+    b, kv_len, k, d = 2, 32, 3, 3
+    state = engine_lib.DecodeState.create(model.config, b, kv_len, drafter.config)
+    state = state.replace(draft=state.draft.replace(
+        lengths=jnp.array([5, 9], jnp.int32),
+        feature=jax.random.normal(jax.random.key(1), state.draft.feature.shape)))  # fmt: skip
+    ids = jnp.asarray(np.random.default_rng(0).permutation(model.config.vocab_size)[:40],
+                      jnp.int32)  # fmt: skip
+    head = jax.jit(functools.partial(speculative.hot_head_program, graphdef))(params, ids)
+    np.testing.assert_array_equal(head, np.asarray(model.head_weight_DxV())[:, np.asarray(ids)])
+    draft = _jit(speculative.draft_program, graphdef, drafter.config, batch=b, kv_len=kv_len,
+                 topk=k, depth=d)  # fmt: skip
+    dparams = drafter.params_dict()
+    sliced_here, presliced = (draft(params, dparams, state, ids, h) for h in (None, head))
+    for want, got in zip(sliced_here, presliced, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert np.isin(np.asarray(presliced.tokens_BxC), np.asarray(ids)).all()
+    with pytest.raises(ValueError, match=r"hot_head_DxU.shape=\(.*\) must be \(D, U\)"):
+        draft(params, dparams, state, ids, head[:, :-1])
+    with pytest.raises(ValueError, match="needs the hot_token_ids"):
+        draft(params, dparams, state, None, head)
+
+
 # ----------------------------------------------------------------------------- KV commit
 
 
@@ -543,6 +571,38 @@ def test_engine_hot_vocab_matches_plain(engines, aligned):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert np.mean(got[1].accepted_lengths) > 1.5
     assert ("spec_draft", 1, 2, 3, KV_LEN, 32) in sd.pool
+
+
+def test_engine_slices_the_hot_head_once_per_weight_sync(engines, aligned):
+    """The draft head's hot columns are sliced once per weight version and set of ids (not in
+    every draft step) and always from the live head: a weight sync or new ids re-slice them."""
+    sd, _ = engines
+    vocab = aligned[0].config.vocab_size
+    prompts = random_prompts(2, vocab, seed=23)
+    original = sd.params
+    head_of = lambda engine: np.asarray(nnx.merge(engine.graphdef, engine.params)  # noqa: E731
+                                        .head_weight_DxV())  # fmt: skip
+    ids = np.arange(3, 3 + 32)
+    sd.set_hot_token_ids(ids)
+    try:
+        steps = sd.stats.spec_steps
+        sd.generate(_requests(prompts, {}))
+        assert sd.stats.spec_steps > steps and ("hot_head", 32) in sd.pool
+        sliced = sd._hot_vocab()[1]
+        np.testing.assert_array_equal(sliced, head_of(sd)[:, ids])
+        sd.generate(_requests(prompts, {}))
+        assert sd._hot_vocab()[1] is sliced  # the same weights: not sliced again
+        scaled = jax.tree.map(lambda x: x * 1.5 if x.ndim == 2 else x, original)
+        sd.update_params(scaled)
+        sd.generate(_requests(prompts, {}))
+        np.testing.assert_array_equal(sd._hot_vocab()[1], head_of(sd)[:, ids])
+        assert not np.array_equal(sd._hot_vocab()[1], sliced)
+        sd.set_hot_token_ids(ids[::-1])
+        np.testing.assert_array_equal(sd._hot_vocab()[1], head_of(sd)[:, ids[::-1]])
+    finally:
+        sd.update_params(original)
+        sd.set_hot_token_ids(None)
+    assert sd._hot_vocab() is None
 
 
 def test_hot_token_ids_rank_by_count():

@@ -20,8 +20,9 @@ at every later level, C = k + (depth-1) * k^2, indexed level by level, so a pare
 lower index than its children.
 
 Hot vocabulary. With `hot_token_ids` every level's head is the live LM head's columns of those
-U tokens (sliced once per call): the drafter proposes only hot tokens, at U / V of the head's
-cost per level. Verification always uses the full vocabulary, so the output is unchanged.
+U tokens (`hot_head`; the engine slices it once per weight sync and passes it in, else each
+call slices it once): the drafter proposes only hot tokens, at U / V of the head's cost per
+level. Verification always uses the full vocabulary, so the output is unchanged.
 
 The drafter is one layer, so a node's keys and values depend on its own input only: instead of
 copying ancestor KV into per-branch slots (SGLang's `move_kv_cache`), every level runs the
@@ -67,6 +68,11 @@ def _gather_rows(x_BxN, index_BxM):
     return jnp.take_along_axis(x_BxN, index, axis=1)
 
 
+def hot_head(head_DxV: jax.Array, hot_token_ids: jax.Array) -> jax.Array:
+    """The LM head's columns of the hot vocabulary, [D, U]: every draft level's head."""
+    return jnp.take(head_DxV, hot_token_ids, axis=1)
+
+
 def draft_candidates(
     params: DrafterParams,
     config: ModelConfig,
@@ -80,6 +86,7 @@ def draft_candidates(
     depth: int,
     attention_impl: str = "xla",
     hot_token_ids: jax.Array | None = None,
+    hot_head_DxU: jax.Array | None = None,
 ) -> Candidates:
     """Drafts the candidate tree of every row (level 0 plus depth-1 drafter forwards).
 
@@ -96,6 +103,8 @@ def draft_candidates(
       hot_token_ids: optional int32 [U] (U >= topk): draft only among these tokens (the head
         is sliced to their columns once per call, from the live head; log-probabilities are
         normalised over the U tokens).
+      hot_head_DxU: optional, with `hot_token_ids`: the head's columns of those ids, sliced
+        by the caller (`hot_head`) once per weight sync instead of once per call here.
 
     Returns:
       `Candidates` with C = topk + (depth - 1) * topk**2 nodes per row (vocabulary ids).
@@ -105,8 +114,15 @@ def draft_candidates(
         if hot_token_ids.ndim != 1 or hot_token_ids.shape[0] < k:
             raise ValueError(f"hot_token_ids.shape={hot_token_ids.shape} must be [U] with "
                              f"U >= topk={k}")  # fmt: skip
-        # Sliced once per step, outside the level loop: every level then reads D x U only.
-        head_DxV = jnp.take(head_DxV, hot_token_ids, axis=1)
+        if hot_head_DxU is None:  # once per call, outside the level loop
+            head_DxV = hot_head(head_DxV, hot_token_ids)
+        elif hot_head_DxU.shape != (d, hot_token_ids.shape[0]):
+            raise ValueError(f"hot_head_DxU.shape={hot_head_DxU.shape} must be (D, U)="
+                             f"{(d, hot_token_ids.shape[0])}")  # fmt: skip
+        else:
+            head_DxV = hot_head_DxU
+    elif hot_head_DxU is not None:
+        raise ValueError("hot_head_DxU needs the hot_token_ids it was sliced for")
 
     def to_vocab(index):  # top-k indices into the (possibly hot) head -> vocabulary ids
         ids = index if hot_token_ids is None else jnp.take(hot_token_ids, index)

@@ -261,7 +261,8 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
 
     First the engine's plain and SD steps on `prompt` (`new_tokens` each; SD drafting among
     `engine_hot_ids`), then, on the state SD left (drafter in sync), the public programs of
-    `speculative` alone (draft with the full and the `hot_ids` head, tree, verify) and parts:
+    `speculative` alone (draft with the full head, with the `hot_ids` columns sliced once as the
+    engine does, and sliced in the draft step; tree, verify) and parts:
     one draft level's LM head (full and hot), acceptance, and the target forward (with logits)
     over 1 .. 16 new tokens (what a wider tree costs to verify). Host overhead = the engine's
     SD step - its programs; `break_even_accept_len` = programs / the engine's plain step.
@@ -297,9 +298,13 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
     draft = jax.jit(functools.partial(speculative.draft_program, graphdef, dconfig, batch=1,
                                       kv_len=kv_len, topk=k, depth=depth))  # fmt: skip
     out["draft_full_ms"] = best_ms(draft, params, dparams, state, None, iters=iters)
-    if hot is not None:
-        out["draft_hot_ms"] = best_ms(draft, params, dparams, state, hot, iters=iters)
-    candidates = draft(params, dparams, state, hot)
+    hot_head = None
+    if hot is not None:  # as the engine drafts: the hot columns sliced once per weight sync
+        hot_head = jax.jit(functools.partial(speculative.hot_head_program, graphdef))(params, hot)
+        out["draft_hot_ms"] = best_ms(draft, params, dparams, state, hot, hot_head, iters=iters)
+        # ... and slicing them in every draft step instead
+        out["draft_hot_slicing_ms"] = best_ms(draft, params, dparams, state, hot, iters=iters)
+    candidates = draft(params, dparams, state, hot, hot_head)
     tree_fn = jax.jit(functools.partial(speculative.tree_program, batch=1, verify_tokens=t,
                                         depth=depth))  # fmt: skip
     out["tree_ms"] = best_ms(tree_fn, candidates, state.last_token, state.lengths, iters=iters)
@@ -321,16 +326,15 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
 
     out["commit_ms"] = best_ms(commit, state, new, path, counts, iters=iters, fresh=fresh_state)
 
-    def head_level(params, g_1xkxD, ids):  # one draft level's head: logits, log-softmax, top-k
-        head = nnx.merge(graphdef, params).head_weight_DxV()
-        head = head if ids is None else jnp.take(head, ids, axis=1)
+    def head_level(head, g_1xkxD):  # one draft level's head: logits, log-softmax, top-k
         return jax.lax.top_k(jax.nn.log_softmax(draft_logits(g_1xkxD, head), axis=-1), k)
 
     g = jax.random.normal(jax.random.key(0), (1, k, model.config.hidden_size), jnp.float32)
     head_jit = jax.jit(head_level)
-    out["draft_head_level_full_ms"] = best_ms(head_jit, params, g, None, iters=iters)
+    full_head = nnx.merge(graphdef, params).head_weight_DxV()
+    out["draft_head_level_full_ms"] = best_ms(head_jit, full_head, g, iters=iters)
     if hot is not None:
-        out["draft_head_level_hot_ms"] = best_ms(head_jit, params, g, hot, iters=iters)
+        out["draft_head_level_hot_ms"] = best_ms(head_jit, hot_head, g, iters=iters)
 
     def target_tree(params, layers, state, tree):
         model_ = nnx.merge(graphdef, params)

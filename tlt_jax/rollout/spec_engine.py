@@ -125,9 +125,12 @@ class SpecRunner:
         self.forward = forward
         self._one_program = one_program or (lambda key: forward is None)
 
-    def step(self, choice: StepChoice, params, layers, drafter_params, hot_token_ids,
+    def step(self, choice: StepChoice, params, layers, drafter_params, hot,
              state: Any, running: list) -> tuple[Any, SpecResult]:  # fmt: skip
         """One SD step over `running` (slot i holds running[i]); returns (state, result).
+
+        `hot` is None or (hot token ids [U], the live head's columns of them [D, U]): EAGLE
+        drafts among those tokens only.
 
         The state's caches are the step's size (the engine fits them: room for a whole tree
         past the longest running request); `layers` are the policy's per-layer weights. A
@@ -143,7 +146,7 @@ class SpecRunner:
         strategy = choice.strategy
         k, d, t = strategy.topk, strategy.depth, strategy.verify_tokens
         if choice.needs_drafter:
-            tree = self._eagle_tree(params, drafter_params, hot_token_ids, state, b, s, strategy)
+            tree = self._eagle_tree(params, drafter_params, hot, state, b, s, strategy)
             if choice.source == "hybrid":
                 tree = self._hybrid_tree(tree, running, t, d, k)
         else:
@@ -216,15 +219,16 @@ class SpecRunner:
 
     def _eagle_tree(self, params, drafter_params, hot, state, b, s, strategy) -> DraftTree:
         k, d, t = strategy.topk, strategy.depth, strategy.verify_tokens
-        if hot is not None and hot.shape[0] < k:
+        ids, head = (None, None) if hot is None else hot
+        if ids is not None and ids.shape[0] < k:
             raise ValueError(f"strategy {strategy} needs topk={k} <= the hot vocabulary size "
-                             f"{hot.shape[0]}")  # fmt: skip
+                             f"{ids.shape[0]}")  # fmt: skip
         draft_fn = functools.partial(
             speculative.draft_program, self.graphdef, self.drafter_config, batch=b, kv_len=s,
             topk=k, depth=d, attention_impl=self.config.spec_attention_impl,
         )  # fmt: skip
-        args = (params, drafter_params, state, hot)
-        key = ("spec_draft", b, k, d, s, None if hot is None else hot.shape[0])
+        args = (params, drafter_params, state, ids, head)
+        key = ("spec_draft", b, k, d, s, None if ids is None else ids.shape[0])
         candidates = self._program(key, draft_fn, *args)(*args)
         tree_fn = functools.partial(speculative.tree_program, batch=b, verify_tokens=t, depth=d)
         args = (candidates, state.last_token, state.lengths)

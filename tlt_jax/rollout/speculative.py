@@ -6,7 +6,8 @@ length, S kv length, L layers, K kv heads, H head dim, D model, V vocab.
 One SD step over the first `batch` slots of the engine's `DecodeState` is three programs:
 
 1. `draft_program` (batch, k, depth, kv, hot vocabulary size): EAGLE-2 candidates
-   (`draft_tree.draft_candidates`).
+   (`draft_tree.draft_candidates`); with a hot vocabulary, through the head's hot columns
+   that `hot_head_program` sliced once per weight sync.
 2. `tree_program` (batch, k, depth, T): the T-node tree (`draft_tree.build_tree`).
 3. `verify_program` (batch, T, kv): one target forward over B x T tokens with the tree mask
    (reading the target cache, not writing it), acceptance (`acceptance.accept_tree`), and the
@@ -42,7 +43,13 @@ from tlt_jax.models.drafter import DrafterParams, drafter_decode, drafter_forwar
 from tlt_jax.models.transformer import KVCache, NewKV, causal_mask
 from tlt_jax.parallel import sharding as sharding_lib
 from tlt_jax.rollout.acceptance import accept_tree
-from tlt_jax.rollout.draft_tree import Candidates, DraftTree, build_tree, draft_candidates
+from tlt_jax.rollout.draft_tree import (
+    Candidates,
+    DraftTree,
+    build_tree,
+    draft_candidates,
+    hot_head,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,10 +224,12 @@ def draft_length(state) -> int | None:
 
 
 def draft_program(graphdef, drafter_config: ModelConfig, params, drafter_params, state,
-                  hot_token_ids=None, *, batch: int, kv_len: int, topk: int, depth: int,
-                  attention_impl: str = "xla") -> Candidates:  # fmt: skip
+                  hot_token_ids=None, hot_head_DxU=None, *, batch: int, kv_len: int, topk: int,
+                  depth: int, attention_impl: str = "xla") -> Candidates:  # fmt: skip
     """Candidates of the first `batch` slots (reads the state, writes nothing); drafted among
-    `hot_token_ids` ([U] int32) only when given (an argument, so new ids never recompile)."""
+    `hot_token_ids` ([U] int32) only when given (an argument, so new ids never recompile),
+    through `hot_head_DxU` when given (`hot_head_program`'s, once per weight sync), else
+    through the head's columns sliced here."""
     model = nnx.merge(graphdef, params)
     draft = state.draft
     draft.cache.check_size(batch, kv_len)
@@ -228,7 +237,15 @@ def draft_program(graphdef, drafter_config: ModelConfig, params, drafter_params,
         drafter_params, drafter_config, model.embed.get_value(), model.head_weight_DxV(),
         draft.cache, draft.lengths[:batch], draft.feature[:batch],
         topk=topk, depth=depth, attention_impl=attention_impl, hot_token_ids=hot_token_ids,
+        hot_head_DxU=hot_head_DxU,
     )  # fmt: skip
+
+
+def hot_head_program(graphdef, params, hot_token_ids) -> jax.Array:
+    """The policy head's columns of the hot vocabulary, [D, U] (`draft_tree.hot_head`), which
+    every draft step of one weight version reads: sliced once, not once per draft step (on a
+    vocabulary-sharded head each slice is a collective)."""
+    return hot_head(nnx.merge(graphdef, params).head_weight_DxV(), hot_token_ids)
 
 
 def tree_program(candidates: Candidates, last_token, lengths, *, batch: int, verify_tokens: int,
