@@ -15,15 +15,14 @@ e.g. `--config.train.optim.learning_rate=1e-4`. Re-running with the same --workd
 
 import ml_collections
 
+from tlt_jax.config_fields import config_variant
 from tlt_jax.drafter.warmup import default_config_dict
 
 VARIANTS = ("", "arith")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    variant = arg or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant {variant!r} is not one of {list(VARIANTS)}")
+    variant = config_variant(arg, VARIANTS)
     c = default_config_dict()
     c.model = "smollm2-135m-instruct"
     c.max_new_tokens = 1024

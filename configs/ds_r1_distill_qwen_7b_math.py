@@ -13,13 +13,14 @@ checkpoint adds none.
 
 import ml_collections
 
+from tlt_jax.config_fields import config_variant
 from tlt_jax.rl.config import default_config_dict
 
 _BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    del arg
+    config_variant(arg, ("",))
     c = default_config_dict()
     c.total_steps = 400
     c.checkpoint_every = 10

@@ -12,13 +12,14 @@ rules); compute is bfloat16. `model.architecture` checks the checkpoint and lets
 
 import ml_collections
 
+from tlt_jax.config_fields import config_variant
 from tlt_jax.rl.config import default_config_dict
 
 _BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    del arg
+    config_variant(arg, ("",))
     c = default_config_dict()
     c.total_steps = 500
     c.checkpoint_every = 25

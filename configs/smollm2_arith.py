@@ -20,6 +20,7 @@ from pathlib import Path
 
 import ml_collections
 
+from tlt_jax.config_fields import config_variant
 from tlt_jax.rl.config import default_config_dict
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -66,9 +67,7 @@ def _reasoning(c: ml_collections.ConfigDict) -> None:
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    variant = arg or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant {variant!r} is not one of {list(VARIANTS)}")
+    variant = config_variant(arg, VARIANTS)
     c = default_config_dict()
     c.checkpoint_every = 4
     c.model.update(name="smollm2-135m-instruct", architecture="smollm2_135m")

@@ -10,11 +10,12 @@ responses), and on a CPU a step takes minutes.
 
 import ml_collections
 
+from tlt_jax.config_fields import config_variant
 from tlt_jax.rl.config import default_config_dict
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    del arg
+    config_variant(arg, ("",))
     c = default_config_dict()
     c.total_steps = 200
     c.checkpoint_every = 20

@@ -18,15 +18,14 @@ checkpoints, metrics), not learning.
 
 import ml_collections
 
+from tlt_jax.config_fields import config_variant
 from tlt_jax.rl.config import default_config_dict
 
 VARIANTS = ("", "tlt")
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    variant = arg or ""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant {variant!r} is not one of {list(VARIANTS)}")
+    variant = config_variant(arg, VARIANTS)
     c = default_config_dict()
     c.total_steps = 4
     c.checkpoint_every = 2

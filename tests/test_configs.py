@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -79,6 +80,16 @@ def test_config_loads_and_builds(name, arg):
         )
         lowered = policy.lower_grad_program(config, plan, prompt_len=256, response_len=512)
         assert "stablehlo" in lowered.as_text()[:2000] or lowered.as_text()
+
+
+@pytest.mark.parametrize("name", sorted({n for n, _ in CONFIGS + DRAFTER_CONFIGS}))
+def test_an_unknown_variant_is_refused_not_ignored(name):
+    """`--config file.py:bogus` names the variant and the file's own; a file without variants
+    refuses any instead of ignoring it and launching the full run."""
+    variants = sorted({a for n, a in CONFIGS + DRAFTER_CONFIGS if n == name and a})
+    want = f"is not one of {variants}" if variants else "takes no variant; got 'bogus'"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        load_config_dict(name, "bogus")
 
 
 def _error(**overrides):

@@ -16,3 +16,19 @@ def placeholder(cls: type, name: str) -> config_dict.FieldReference:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(t for t in typing.get_args(hint) if t is not type(None))
     return config_dict.placeholder(hint)
+
+
+def config_variant(arg: str | None, variants: tuple[str, ...]) -> str:
+    """The variant a config file was asked for (`--config path.py:variant`), "" for none.
+
+    Raises:
+      ValueError: naming the variant and the file's variants, for one it does not define (a
+        config without variants refuses any, instead of ignoring it and running in full).
+    """
+    variant = arg or ""
+    if variant not in variants:
+        named = [v for v in variants if v]
+        if not named:
+            raise ValueError(f"this config takes no variant; got {variant!r}")
+        raise ValueError(f"config variant {variant!r} is not one of {named}")
+    return variant
