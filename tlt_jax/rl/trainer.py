@@ -440,8 +440,10 @@ class Trainer:
             # In micro-batch order, whichever program computed them (the same order, and on
             # every process the same values, as a forward over all of them would give).
             for key in flat if self.sinks else ():
-                tokens, feats, response_mask, valid = micro_plan[key[0]][key[1]].sink_rows(
-                    features[key])  # fmt: skip
+                micro = micro_plan[key[0]][key[1]]
+                if not (needs_all or micro.trained):
+                    continue  # skipped above: no forward, no features (the padded layout)
+                tokens, feats, response_mask, valid = micro.sink_rows(features[key])
                 for sink in self.sinks:
                     sink.add(tokens, feats, response_mask, step, valid_mask=valid)
         with timer.phase("sync"):
