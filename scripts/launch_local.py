@@ -1,7 +1,7 @@
 r"""Runs a command as N JAX processes on this machine (coordinator on localhost).
 
     python scripts/launch_local.py --num_processes 2 --pin_cores -- \
-        python scripts/train.py --config configs/tiny.py:spot --workdir /tmp/tlt_spot2
+        python scripts/train.py --config configs/tiny.py:tlt --workdir /tmp/tlt_spot2
 
 Each process gets `TLT_COORDINATOR`, `TLT_NUM_PROCESSES` and `TLT_PROCESS_ID`, which
 `tlt_jax.parallel.distributed.initialize_from_env` hands to `jax.distributed.initialize` (gloo
@@ -61,6 +61,8 @@ def main(argv):
         command = command[1:]
     if not command:
         raise app.UsageError("give the command after --")
+    if FLAGS.num_processes < 1:
+        raise app.UsageError(f"--num_processes={FLAGS.num_processes} must be >= 1")
     cores = sorted(os.sched_getaffinity(0)) if FLAGS.pin_cores else []
     if FLAGS.pin_cores and FLAGS.num_processes > len(cores):
         raise app.UsageError(f"--pin_cores with --num_processes={FLAGS.num_processes}: only "

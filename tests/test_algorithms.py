@@ -322,9 +322,13 @@ def test_token_logprobs_matches_numpy():
             "['seq_mean_token_mean', 'seq_mean_token_sum', 'token_mean']",
         ),
         ({"kl_estimator": "k2"}, "rl.kl_estimator='k2' is not one of ['k1', 'k3']"),
-        ({"epsilon": -0.1}, "rl.epsilon=-0.1 must be a number >= 0"),
-        ({"epsilon_high": -0.1}, "rl.epsilon_high=-0.1 must be a number >= 0"),
-        ({"kl_coef": -1.0}, "rl.kl_coef=-1.0 must be a number >= 0"),
+        ({"epsilon": -0.1}, "rl.epsilon=-0.1 must be a finite number >= 0"),
+        ({"epsilon_high": -0.1}, "rl.epsilon_high=-0.1 must be a finite number >= 0"),
+        ({"kl_coef": -1.0}, "rl.kl_coef=-1.0 must be a finite number >= 0"),
+        # NaN passes `< 0`; a NaN kl_coef kept a reference model yet trained no KL term
+        ({"kl_coef": float("nan")}, "rl.kl_coef=nan must be a finite number >= 0"),
+        ({"epsilon_high": float("nan")}, "rl.epsilon_high=nan must be a finite number >= 0"),
+        ({"advantage_eps": float("inf")}, "rl.advantage_eps=inf must be a finite number >= 0"),
         ({"epsilon": 1.0}, "rl.epsilon=1.0 must be < 1"),
     ],
 )

@@ -155,7 +155,7 @@ def test_score_batch_by_name_with_format_weight():
     assert (result.num_errors, result.num_timeouts) == (0, 0)
 
 
-def test_score_batch_survives_errors_and_timeouts():
+def test_score_batch_survives_errors_and_timeouts(caplog):
     release = threading.Event()
 
     def flaky(completion, answer):
@@ -177,6 +177,9 @@ def test_score_batch_survives_errors_and_timeouts():
     np.testing.assert_array_equal(result.rewards, [1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
     np.testing.assert_array_equal(result.correct, [True, False, False, True, False, False])
     assert result.num_errors == 2  # the raise and the NaN
+    assert result.first_error.startswith("completion 1: Traceback")
+    assert "RuntimeError: bad reward code" in result.first_error
+    assert "failed on 2 of 6 completions" in caplog.text and "bad reward code" in caplog.text
     assert result.num_timeouts == 1
     assert elapsed < 2.0, elapsed  # waited ~0.2 s for the hang, not the 5 s it would take
 

@@ -17,6 +17,7 @@ bool dtype). Values at masked positions are never trusted: they are replaced wit
 `jnp.where` before any reduction, so NaN/inf in padding cannot leak into losses or gradients.
 """
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -454,8 +455,9 @@ class AlgorithmConfig:
             object.__setattr__(self, "epsilon_high", self.epsilon)
         for field in ("epsilon", "epsilon_high", "kl_coef", "advantage_eps"):
             value = getattr(self, field)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"rl.{field}={value!r} must be a number >= 0")
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not math.isfinite(value) or value < 0):  # fmt: skip
+                raise ValueError(f"rl.{field}={value!r} must be a finite number >= 0")
         if self.epsilon >= 1.0:
             raise ValueError(f"rl.epsilon={self.epsilon!r} must be < 1 (ratio floor 1 - epsilon)")
 

@@ -9,11 +9,13 @@ import math
 import queue
 import re
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+from absl import logging
 
 RewardFunction = Callable[[str, str], float]
 
@@ -218,12 +220,14 @@ class RewardResult:
       correct: [B] bool, the task reward (before the format bonus) was > 0.
       num_errors: completions whose reward function raised or returned a non-finite value.
       num_timeouts: completions whose reward function ran past the timeout.
+      first_error: the first errored completion's index and traceback ("" without errors).
     """
 
     rewards: np.ndarray
     correct: np.ndarray
     num_errors: int
     num_timeouts: int
+    first_error: str = ""
 
 
 _OK, _ERROR = "ok", "error"
@@ -237,7 +241,8 @@ def _score_from(
     format_weight: float,
     results: queue.SimpleQueue,
 ) -> None:
-    """Worker loop: scores completions[start:] in order, posting (index, status, task, total)."""
+    """Worker loop: scores completions[start:] in order, posting (index, status, task, total),
+    the traceback in place of the total for an errored one."""
     for index in range(start, len(completions)):
         try:
             task_reward = float(fn(completions[index], answers[index]))
@@ -246,7 +251,7 @@ def _score_from(
             total = task_reward + format_weight * format_reward(completions[index])
             results.put((index, _OK, task_reward, total))
         except Exception:  # any failure of user code is one errored sample
-            results.put((index, _ERROR, 0.0, 0.0))
+            results.put((index, _ERROR, 0.0, traceback.format_exc()))
 
 
 def score_batch(
@@ -296,6 +301,7 @@ def score_batch(
     rewards = np.zeros(count, np.float32)
     correct = np.zeros(count, bool)
     num_errors = num_timeouts = 0
+    first_error = ""
     index = 0
     while index < count:
         # A fresh queue per worker, so a late result from an abandoned worker is never read.
@@ -319,5 +325,10 @@ def score_batch(
                 correct[index] = task_reward > 0
             else:
                 num_errors += 1
+                first_error = first_error or f"completion {index}: {total}"
             index += 1
-    return RewardResult(rewards, correct, num_errors, num_timeouts)
+    if num_errors:  # scored 0, never silently: each batch logs its first error in full
+        logging.warning("reward function %r failed on %d of %d completions (scored 0); the "
+                        "first, %s", getattr(fn, "__name__", fn), num_errors, count,
+                        first_error)  # fmt: skip
+    return RewardResult(rewards, correct, num_errors, num_timeouts, first_error)
