@@ -528,6 +528,40 @@ def test_non_finite_loss_skips_updates_then_stops_with_checkpoint_intact(tmp_pat
     resumed.close()
 
 
+def test_a_skipped_last_step_still_saves_the_last_finite_weights(tmp_path):
+    """The run's last step skipped its (non-finite) update: the steps since the last
+    checkpoint are kept with the weights the skip left, the last finite ones (nothing was
+    saved, and a resume repeated those steps)."""
+    config = tiny_config(total_steps=2, checkpoint_every=10)
+    trainer = Trainer(config, tmp_path, progress=False)
+    update = trainer._update
+
+    def nan_at_step_2(minibatches, micro_plan, batches, old, ref, advantages, *rest):
+        if trainer.step_count == 1:  # run_step counts the step after its update
+            advantages = advantages * np.nan
+        return update(minibatches, micro_plan, batches, old, ref, advantages, *rest)
+
+    trainer._update = nan_at_step_2
+    after_step_1 = []
+    run_step = trainer.run_step
+
+    def keep(examples):
+        if trainer.step_count == 1:
+            after_step_1.append(jax.device_get(trainer.state.params))
+        return run_step(examples)
+
+    trainer.run_step = keep
+    records = trainer.train()
+    trainer.close()
+    assert [r["skipped"] for r in records] == [0.0, 1.0]
+    resumed = Trainer(config, tmp_path, progress=False)
+    assert resumed.step_count == 2
+    for got, want in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(after_step_1[0]),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+    resumed.close()
+
+
 def test_weight_sync_rejects_mismatched_weights(tmp_path):
     trainer = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
     params = trainer.state.params

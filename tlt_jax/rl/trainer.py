@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tlt_jax.checkpointing.manager import RunCheckpointer
@@ -654,6 +655,10 @@ class Trainer:
                         f"stopping. Latest checkpoint: step {self.checkpointer.latest_step()} in "
                         f"{self.checkpointer.directory}"
                     )
+                if step == cfg.total_steps and self._params_finite():
+                    # A skipped update left the last finite weights: keep the steps since the
+                    # last checkpoint (the run ends here, so nothing else would save them).
+                    self.save()
                 continue
             self._nonfinite_streak = 0
             if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
@@ -664,6 +669,9 @@ class Trainer:
         if records and cfg.spot.export and self.online is not None and self.group.is_primary:
             log.info("drafter exported to %s", self.export_drafter())
         return records
+
+    def _params_finite(self) -> bool:
+        return bool(jnp.isfinite(optax.global_norm(self.state.params)))
 
     def save(self) -> None:
         if not self.group.is_primary:
