@@ -562,6 +562,43 @@ def test_a_skipped_last_step_still_saves_the_last_finite_weights(tmp_path):
     resumed.close()
 
 
+def test_processes_holding_different_params_stop_the_run(tmp_path):
+    """After each step the processes compare digests of their params: a mismatch (which
+    data-parallel steps would silently train on) raises on every process instead of being
+    logged."""
+
+    class TwoProcesses:  # this process's digest, and another one from the second process
+        count, index = 2, 0
+
+        def allgather(self, key, value):
+            return [value, "0" * len(value)]
+
+    trainer = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
+    trainer.rollouts.group = TwoProcesses()
+    with pytest.raises(RuntimeError, match="step 3: the processes' policy or drafter params"):
+        trainer.rollouts.end_step(3, trainer.state.params)
+    trainer.close()
+
+
+def test_processes_that_restored_different_steps_stop_before_training():
+    from tlt_jax.rl.trainer import check_same_restore
+
+    class TwoProcesses:
+        count, index = 2, 0
+
+        def __init__(self, other):
+            self.other = other
+
+        def allgather(self, key, value):
+            assert key == "restored_step"
+            return [value, self.other]
+
+    check_same_restore(TwoProcesses(4), 4, "/ckpt")
+    check_same_restore(TwoProcesses(None), None, "/ckpt")
+    with pytest.raises(RuntimeError, match=r"steps by process: \[4, None\].*is /ckpt one"):
+        check_same_restore(TwoProcesses(None), 4, "/ckpt")
+
+
 def test_weight_sync_rejects_mismatched_weights(tmp_path):
     trainer = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
     params = trainer.state.params

@@ -148,6 +148,42 @@ def test_a_failing_trainer_never_stops_the_rollout(two_slices):
     assert [len(c.token_ids) for c in out[1]] == [30] * 4
 
 
+class _Peers:
+    """This process as process 0 of two, the other one having finished its slices with the
+    given outcome (the `ProcessGroup` calls the scheduler makes)."""
+
+    count, index = 2, 0
+
+    def __init__(self, peer_failed: bool):
+        self.values = {"done/0/1": {"failed": peer_failed}}
+
+    def set(self, key, value):
+        self.values[f"{key}/{self.index}"] = value
+
+    def count_set(self, key):
+        return sum(k.startswith(key + "/") for k in self.values)
+
+    def wait_for(self, key, process):
+        return self.values[f"{key}/{process}"]
+
+    def claim(self, key):
+        return False  # the other process trains
+
+
+@pytest.mark.parametrize("peer_failed", [False, True])
+def test_a_slice_failing_on_another_process_stops_this_one_too(two_slices, peer_failed):
+    """A process whose slices decoded fine learns that the other process's rollout failed
+    and raises, instead of going on to collectives the failed process never reaches."""
+    requests = [_requests(1, 2), _requests(1, 3)]
+    scheduler = SpotScheduler(two_slices, None)
+    if not peer_failed:
+        out, _ = scheduler.rollout(requests, group=_Peers(False))
+        assert [len(c.token_ids) for c in out[1]] == [3]
+        return
+    with pytest.raises(RuntimeError, match=r"slice failed on process\(es\) \[1\]"):
+        scheduler.rollout(requests, group=_Peers(True))
+
+
 def test_slices_must_not_share_devices(two_slices):
     with pytest.raises(ValueError, match="share devices"):
         SpotScheduler([two_slices[0], RolloutSlice(1, two_slices[0].devices, None)])

@@ -231,9 +231,11 @@ class SpotScheduler:
                 trainer = threading.Thread(target=train, args=(i,), name=f"slice{i}-drafter",
                                            daemon=True)  # fmt: skip
                 trainer.start()
+        peers_failed = []
         if multi:  # the rollout ends when the run's last slice is done
             for p in range(group.count):
-                group.wait_for(f"done/{step}", p)
+                if group.wait_for(f"done/{step}", p).get("failed") and p != group.index:
+                    peers_failed.append(p)
         report.rollout_s = time.perf_counter() - start
         stop.set()
         if (trainer is None and self.trainable is not None and self.trainable.exact_steps
@@ -268,6 +270,10 @@ class SpotScheduler:
         failed = [e for e in errors if e is not None]
         if failed:
             raise failed[0]
+        if peers_failed:  # their processes raise; this one must not wait for them downstream
+            raise RuntimeError(f"step {step}: a rollout slice failed on process(es) "
+                               f"{peers_failed} (their logs hold the error); stopping here "
+                               "too")  # fmt: skip
         return results, report  # type: ignore[return-value]
 
 

@@ -199,8 +199,12 @@ class RolloutSlices:
                 *(() if self.online is None else (self.online.params(),
                                                   self.online.buffer.to_arrays())),
             )  # fmt: skip
-            if not metrics["processes_in_sync"]:
-                log.error("step %d: the processes' params differ", step)
+            if not metrics["processes_in_sync"]:  # every process sees the same digests
+                raise RuntimeError(
+                    f"step {step}: the processes' policy or drafter params differ (compared by "
+                    "digest); data-parallel steps on different weights would train wrongly from "
+                    "here on. The last checkpoint holds the last step they agreed on."
+                )
         return metrics
 
     # -- checkpoints and export ------------------------------------------------------------

@@ -96,6 +96,21 @@ def rollout_seeds(rng_words: np.ndarray, step: int, count: int) -> np.ndarray:
     return np.random.SeedSequence(entropy).generate_state(count, dtype=np.uint32)
 
 
+def check_same_restore(group: ProcessGroup, step: int | None, directory) -> None:
+    """Each process of a run restores its own copy of the checkpoint (`step`, None for none):
+    they must agree, or the processes would wait on each other's steps forever.
+
+    Raises:
+      RuntimeError: naming every process's step, when they differ.
+    """
+    if group.count > 1:
+        steps = group.allgather("restored_step", step)
+        if len(set(steps)) > 1:
+            raise RuntimeError(f"the processes restored different checkpoints (steps by "
+                               f"process: {steps}; None: none): is {directory} one directory "
+                               "that every process reads?")  # fmt: skip
+
+
 class Trainer:
     """One RL run in `workdir`; resumes from the latest checkpoint there automatically."""
 
@@ -189,6 +204,7 @@ class Trainer:
         self.restored_from: int | None = None
         drafter_like = None if self.online is None else self.online.state
         restored = self.checkpointer.restore(self.state, drafter_like=drafter_like)
+        check_same_restore(self.group, restored and restored.step, self.checkpointer.directory)
         if restored is not None:
             self.state = restored.state
             self.rollouts.load_drafter(restored.extra, restored.drafter, restored.drafter_buffer)
