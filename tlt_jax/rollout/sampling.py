@@ -131,13 +131,24 @@ class VocabAxis:
         return jax.lax.top_k(gathered, c)[0]
 
     def before_and_total(self, totals: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(the sum of `totals` over the blocks before this device's, over all blocks)."""
+        """(the sum of `totals` over the blocks before this device's, over all blocks).
+
+        The total is the last block's `before + its own total`, summed in exactly the order
+        that block's running sum is: a sum of all blocks in another order can be a float32
+        step larger, and an inverse-CDF draw in that gap fell past every token (and was
+        clamped onto the last one, whatever its mass).
+        """
         if self.name is None:
             return jnp.zeros_like(totals), totals
         every = jax.lax.all_gather(totals, self.name)  # [n, ...]
-        earlier = jnp.arange(every.shape[0]) < jax.lax.axis_index(self.name)
-        earlier = earlier.reshape((-1,) + (1,) * totals.ndim)
-        return jnp.sum(jnp.where(earlier, every, 0.0), axis=0), jnp.sum(every, axis=0)
+        shape = (-1,) + (1,) * totals.ndim
+        blocks = jnp.arange(every.shape[0])
+
+        def before(block):
+            return jnp.sum(jnp.where((blocks < block).reshape(shape), every, 0.0), axis=0)
+
+        last = every.shape[0] - 1
+        return before(jax.lax.axis_index(self.name)), before(last) + every[last]
 
     def _offset(self, x: jax.Array) -> jax.Array:
         return jax.lax.axis_index(self.name) * x.shape[-1]
@@ -271,6 +282,20 @@ def _searched_thresholds(scaled_BxV, log_norm_Bx1, top_k_B, top_p_B, use_k_B, us
     return _from_order_key(low_B)
 
 
+def cumulative_mass(probs_BxV: jax.Array,
+                    vocab: VocabAxis = VocabAxis()) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """(the rows' cumulative mass [B, V], float32, each row's total [B]).
+
+    The total is bit-equal to the row's last cumulative value, split or not, so a uniform
+    draw in [0, total) always lands on a token with mass (`sample_from_probs`).
+    """
+    cdf_BxV = jnp.cumsum(probs_BxV.astype(jnp.float32), axis=-1)
+    if vocab.name is None:
+        return cdf_BxV, cdf_BxV[..., -1]
+    before_B, total_B = vocab.before_and_total(cdf_BxV[..., -1])
+    return cdf_BxV + before_B[..., None], total_B
+
+
 def sample_from_probs(keys_B: jax.Array, probs_BxV: jax.Array,
                       vocab: VocabAxis = VocabAxis()) -> jax.Array:  # fmt: skip
     """One draw per row from (unnormalised) probabilities, by inverse CDF.
@@ -290,12 +315,7 @@ def sample_from_probs(keys_B: jax.Array, probs_BxV: jax.Array,
     Returns:
       int32 [B] token ids.
     """
-    cdf_BxV = jnp.cumsum(probs_BxV.astype(jnp.float32), axis=-1)
-    if vocab.name is None:
-        total_B = cdf_BxV[..., -1]
-    else:
-        before_B, total_B = vocab.before_and_total(cdf_BxV[..., -1])
-        cdf_BxV = cdf_BxV + before_B[..., None]
+    cdf_BxV, total_B = cumulative_mass(probs_BxV, vocab)
     u_B = jax.vmap(jax.random.uniform)(keys_B) * total_B
     index_B = vocab.sum(cdf_BxV <= u_B[..., None], dtype=jnp.int32)
     return jnp.minimum(index_B, vocab.size(probs_BxV) - 1)
