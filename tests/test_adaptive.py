@@ -195,6 +195,7 @@ def test_fixed_and_scheduled_policies():
         (dict(epsilon=1.5), "spec.epsilon"),
         (dict(threshold=0), "spec.threshold"),
         (dict(strategies=(("4,1,9",), ("3,1,4",), ("1,1,2",))), "verify_tokens=9"),
+        (dict(strategies=((), ("3,1,4",), ("1,1,2",))), r"spec.strategies\[0\] is empty"),
     ],
 )
 def test_bandit_config_errors_name_the_field(kwargs, match):

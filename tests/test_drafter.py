@@ -33,7 +33,7 @@ from tlt_jax.models.drafter import (
     drafter_from_params,
 )
 from tlt_jax.models.presets import get_preset
-from tlt_jax.models.transformer import Transformer, segment_causal_mask, write_kv
+from tlt_jax.models.transformer import Transformer, init_model, segment_causal_mask, write_kv
 from tlt_jax.optim import OptimConfig
 from tlt_jax.parallel.sharding import make_mesh
 
@@ -530,6 +530,15 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
     # The RL job's stop ids; the second run reused the cached responses.
     assert calls == [(5, stop_token_ids(_ByteTokenizer()))] == [(5, (0,))]
     assert seen_hot[0].tolist() == [13, 14, 15]  # the loss ran over the hot ids
+    # Other weights, or another temperature, generate anew (features of another model's
+    # tokens would train the drafter on the wrong distribution); the same settings do not.
+    scaled = init_model(CONFIG, 1)
+    warmup.run_warmup(config, scaled, _ByteTokenizer(), max_steps=5)
+    warmup.run_warmup(dataclasses.replace(config, temperature=0.7), scaled, _ByteTokenizer(),
+                      max_steps=5)  # fmt: skip
+    warmup.run_warmup(dataclasses.replace(config, temperature=0.7), scaled, _ByteTokenizer(),
+                      max_steps=5)  # fmt: skip
+    assert len(calls) == 3
     with pytest.raises(ValueError, match="hot_vocab_size=999"):
         warmup.run_warmup(dataclasses.replace(config, hot_vocab_size=999), policy,
                           _ByteTokenizer(), max_steps=5)  # fmt: skip

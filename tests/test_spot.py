@@ -4,6 +4,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -197,6 +198,21 @@ def _samples(rng, n: int, d: int, nan: bool = False):
     mask = np.zeros((n, 24), bool)
     mask[:, 8:] = True
     return tokens, features, mask
+
+
+def test_online_drafter_add_leaves_the_callers_masks_alone():
+    """The trainer hands one response mask to every sink in turn: counting tokens must not
+    write into it (it did, `&=` with the valid mask), and a JAX mask (read-only) must work."""
+    config = spot.SpotConfig(row_len=64, window=64, warmup_steps=0).train_config()
+    online = OnlineDrafter(TINY, config, hot_vocab=16, seed=0)
+    tokens, features, mask = _samples(np.random.default_rng(1), 2, TINY.hidden_size)
+    valid = np.ones_like(mask)
+    valid[:, 20:] = False
+    kept = mask.copy()
+    online.add(tokens, features, mask, step=1, valid_mask=valid)
+    np.testing.assert_array_equal(mask, kept)
+    online.add(tokens, features, jnp.asarray(mask), step=1, valid_mask=jnp.asarray(valid))
+    assert online.token_counts.sum() == 2 * 2 * (20 - 8)
 
 
 def test_online_drafter_drops_non_finite_steps_and_versions_on_publish():

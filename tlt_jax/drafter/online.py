@@ -101,9 +101,9 @@ class OnlineDrafter:
     def add(self, tokens, features, response_mask, step: int, valid_mask=None) -> int:
         """The `FeatureSink` entry point: counts response tokens, stores the samples."""
         tokens = np.asarray(tokens)
-        counted = np.asarray(response_mask, bool)
+        counted = np.asarray(response_mask, bool)  # the caller's own array: never written
         if valid_mask is not None:
-            counted &= np.asarray(valid_mask, bool)
+            counted = counted & np.asarray(valid_mask, bool)
         np.add.at(self.token_counts, tokens[counted], 1)
         return self.buffer.add(tokens, features, response_mask, step, valid_mask=valid_mask)
 

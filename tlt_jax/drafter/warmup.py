@@ -17,6 +17,7 @@ Pipeline (TLT's offline EAGLE warm-up, on the policy's own outputs):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -261,15 +262,34 @@ def read_responses(path: str | os.PathLike) -> tuple[list[list[int]], list[list[
     return [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows]
 
 
-def _cached_responses(path: Path, prompt_ids: list[list[int]], max_new_tokens: int):
-    """Responses saved by an earlier run for exactly these prompts and length, else None."""
+def generation_key(model: Transformer, config: WarmupConfig, stop_ids: Sequence[int]) -> dict:
+    """What decides the cached responses besides the prompts: the policy's weights (a digest
+    of every parameter's sum, in tree order), the temperature, seed, stop ids and
+    length."""
+    sums = [float(jnp.sum(x, dtype=jnp.float32)) for x in jax.tree.leaves(nnx.state(model))]
+    return {"weights": hashlib.sha256(np.asarray(sums, np.float64).tobytes()).hexdigest()[:16],
+            "temperature": config.temperature, "seed": config.seed,
+            "stop_ids": sorted(int(t) for t in stop_ids),
+            "max_new_tokens": config.max_new_tokens}  # fmt: skip
+
+
+def _cached_responses(path: Path, prompt_ids: list[list[int]], key: dict):
+    """Responses an earlier run saved for exactly these prompts and `generation_key`, else
+    None (then logged: a policy, temperature, seed, stop ids or length that changed
+    regenerates them, since features of another model's tokens would train the drafter
+    on the wrong distribution)."""
     if not path.is_file():
         return None
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if len(lines) != len(prompt_ids) or any(
-        line["prompt_ids"] != p or line["max_new_tokens"] != max_new_tokens
-        for line, p in zip(lines, prompt_ids, strict=True)
+        line["prompt_ids"] != p for line, p in zip(lines, prompt_ids, strict=True)
     ):
+        logging.info("%s holds other prompts: generating the responses anew", path)
+        return None
+    saved = [line.get("generation") for line in lines]
+    if any(g != key for g in saved):
+        logging.info("%s was generated with %s, not %s: generating the responses anew", path,
+                     next(g for g in saved if g != key), key)  # fmt: skip
         return None
     return [line["response_ids"] for line in lines]
 
@@ -294,17 +314,18 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
     workdir.mkdir(parents=True, exist_ok=True)
     prompt_ids = load_prompt_ids(config, tokenizer)
     cache_path = workdir / "responses.jsonl"
-    responses = _cached_responses(cache_path, prompt_ids, config.max_new_tokens)
+    stop_ids = stop_token_ids(tokenizer)
+    key = generation_key(model, config, stop_ids)
+    responses = _cached_responses(cache_path, prompt_ids, key)
     if responses is None:
         responses = generate_responses(
-            model, prompt_ids, max_new_tokens=config.max_new_tokens,
-            stop_ids=stop_token_ids(tokenizer),
+            model, prompt_ids, max_new_tokens=config.max_new_tokens, stop_ids=stop_ids,
             temperature=config.temperature, max_batch_size=config.generate_batch,
             seed=config.seed,
         )  # fmt: skip
         cache_path.write_text("".join(
             json.dumps({"prompt_ids": p, "response_ids": r,
-                        "max_new_tokens": config.max_new_tokens}) + "\n"
+                        "max_new_tokens": config.max_new_tokens, "generation": key}) + "\n"
             for p, r in zip(prompt_ids, responses, strict=True)
         ))  # fmt: skip
     counts_V = count_tokens(responses, vocab_size)

@@ -185,7 +185,14 @@ def load_drafter(spec: SpecConfig, target: ModelConfig):
     drafter = load_eagle(path, dtype=target.dtype, param_dtype=target.param_dtype)
     hot_file = path / HOT_VOCAB_FILE
     hot = None
-    if spec.hot_vocab and hot_file.is_file():
+    if spec.hot_vocab and not hot_file.is_file():  # e.g. a public EAGLE checkpoint
+        log.warning(
+            "spec.hot_vocab=%d: %s does not exist (train_drafter.py exports it); "
+            "drafting over the full vocabulary",
+            spec.hot_vocab,
+            hot_file,
+        )
+    elif spec.hot_vocab:
         hot = load_hot_vocab(hot_file, spec.hot_vocab, target.vocab_size)
     return drafter, hot
 

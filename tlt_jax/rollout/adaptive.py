@@ -232,6 +232,9 @@ class BanditConfig:
             raise ValueError(f"spec.strategies has {len(self.strategies)} buckets; "
                              f"spec.bucket_bounds={bounds!r} has {len(bounds)}")  # fmt: skip
         for i, group in enumerate(self.strategies):
+            if not group:
+                raise ValueError(f"spec.strategies[{i}] is empty: every bucket needs at least "
+                                 "one strategy")  # fmt: skip
             parsed = [SpecStrategy.parse(s) for s in group]  # raises on a bad string
             if len({s.verify_tokens for s in parsed}) > 1:
                 raise ValueError(f"spec.strategies[{i}]={group!r}: a bucket's strategies share "

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from absl import logging
+
 from tlt_jax.data.pipeline import read_prompt_rows
 from tlt_jax.data.tokenizer import PromptEncoder, stop_token_ids
 from tlt_jax.rollout.adaptive import DRAFT_SOURCES, FixedPolicy, PlainPolicy, StepChoice
@@ -115,7 +117,14 @@ def run(config: GenerateConfig) -> dict[str, Any]:
 
         drafter = load_eagle(config.drafter, param_dtype=config.dtype, dtype=config.dtype)
         hot_file = Path(config.drafter) / "hot_vocab.json"
-        if config.hot_vocab and hot_file.is_file():
+        if config.hot_vocab and not hot_file.is_file():  # e.g. a public EAGLE checkpoint
+            logging.warning(
+                "hot_vocab=%d: %s does not exist (train_drafter.py exports it); "
+                "drafting over the full vocabulary",
+                config.hot_vocab,
+                hot_file,
+            )
+        elif config.hot_vocab:
             hot_ids = load_hot_vocab(hot_file, config.hot_vocab, model.config.vocab_size)
     policy = PlainPolicy()
     if config.source is not None:
