@@ -158,12 +158,15 @@ def test_max_new_tokens_one(engine):
         (lambda: Request([1, 2], -3), "max_new_tokens=-3"),
         (lambda: SamplingParams(temperature=-0.5), "temperature=-0.5"),
         (lambda: SamplingParams(top_p=0.0), "top_p=0.0"),
+        (lambda: SamplingParams(temperature=float("inf")), "temperature=inf must be finite"),
+        (lambda: SamplingParams(top_k=True), "top_k=True must be an integer"),
         (lambda: EngineConfig(max_batch_size=0), "max_batch_size=0"),
     ],
 )
 def test_bad_request_values(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+    assert SamplingParams(top_k=np.int64(5)).top_k == 5  # numpy ints are ints (as int)
 
 
 def test_prompt_longer_than_context_fails_before_compiling(model):

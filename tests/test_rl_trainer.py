@@ -580,6 +580,30 @@ def test_processes_holding_different_params_stop_the_run(tmp_path):
     trainer.close()
 
 
+def test_the_checkpoint_holds_every_processs_slice_bandits(tmp_path):
+    """Process 0 writes the checkpoint; the other processes' slices' bandit states reach it
+    first, in run-wide slice order (only process 0's were saved, so a resumed run's other
+    slices started with fresh bandits)."""
+
+    class TwoProcesses:  # process 1 runs slice 1 and answers second
+        count, index = 2, 0
+
+        def allgather(self, key, value):
+            assert key == "bandits/0"
+            return [value, [[1, {"windows": "slice 1's"}]]]
+
+    config = tiny_config(total_steps=1, **{"spec.mode": "adaptive", "spec.threshold": 4})
+    trainer = Trainer(config, tmp_path, progress=False)
+    own = trainer.slices[0].engine.step_policy.state_dict()
+    assert own  # the adaptive policy has state to keep
+    trainer.rollouts.group = TwoProcesses()
+    bandits = trainer.rollouts.run_bandit_states(0)
+    assert bandits == [own, {"windows": "slice 1's"}]
+    extra, _, _ = trainer.rollouts.state_dict(bandits)
+    assert extra["bandits"] == bandits and extra["bandit"] == own
+    trainer.close()
+
+
 def test_processes_that_restored_different_steps_stop_before_training():
     from tlt_jax.rl.trainer import check_same_restore
 
@@ -699,10 +723,20 @@ def test_spec_max_cost_ratio_rederives_the_calibration_files_threshold(tmp_path)
         tiny_config(**{"spec.max_cost_ratio": -1.0})
 
 
-def test_spec_threshold_is_calibrated_at_start_without_a_file(tmp_path):
+def test_spec_threshold_is_calibrated_at_start_without_a_file(tmp_path, monkeypatch):
+    from tlt_jax.rl import policy
+
     config = tiny_config(total_steps=1, **{"spec.mode": "adaptive"})
     trainer = Trainer(config, tmp_path, progress=False)
     trainer.close()
+    # A resumed run decodes under the threshold the run started with, measured once: the
+    # bandit state it restores was learnt under it (it was measured anew on every start).
+    monkeypatch.setattr(policy.calibrate_lib, "calibrate",
+                        lambda *a, **k: pytest.fail("measured again on resume"))  # fmt: skip
+    again = Trainer(config, tmp_path, progress=False)
+    again.close()
+    assert again.threshold == trainer.threshold
+    monkeypatch.undo()
     saved = json.loads((tmp_path / "spec_calibration.json").read_text())
     timed = [int(b) for b in saved["plain_ms"]]
     ratios = saved["cost_ratio"]

@@ -315,14 +315,15 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
     prompt_ids = load_prompt_ids(config, tokenizer)
     cache_path = workdir / "responses.jsonl"
     stop_ids = stop_token_ids(tokenizer)
-    key = generation_key(model, config, stop_ids)
-    responses = _cached_responses(cache_path, prompt_ids, key)
+    key = generation_key(model, config, stop_ids) if cache_path.is_file() else None
+    responses = None if key is None else _cached_responses(cache_path, prompt_ids, key)
     if responses is None:
         responses = generate_responses(
             model, prompt_ids, max_new_tokens=config.max_new_tokens, stop_ids=stop_ids,
             temperature=config.temperature, max_batch_size=config.generate_batch,
             seed=config.seed,
         )  # fmt: skip
+        key = key or generation_key(model, config, stop_ids)
         cache_path.write_text("".join(
             json.dumps({"prompt_ids": p, "response_ids": r,
                         "max_new_tokens": config.max_new_tokens, "generation": key}) + "\n"

@@ -43,6 +43,7 @@ import numpy as np
 
 from tlt_jax.metrics import timing
 from tlt_jax.metrics.timing import PHASES
+from tlt_jax.rl import policy
 from tlt_jax.rl.config import TrainConfig
 from tlt_jax.rl.trainer import Trainer
 from tlt_jax.rollout.engine import Request
@@ -147,7 +148,7 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int,
                     if k >= warmup:
                         records[name].append({**record, "policy_digest": digests[name]})
             timelines = {name: t._last_timeline for name, t in trainers.items()}
-            calibration = trainers["tlt"].workdir / "spec_calibration.json"
+            calibration = trainers["tlt"].workdir / policy.CALIBRATION_FILE
             calibration = calibration.read_text() if calibration.is_file() else None
         finally:
             for trainer in trainers.values():

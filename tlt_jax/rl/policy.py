@@ -197,11 +197,15 @@ def load_drafter(spec: SpecConfig, target: ModelConfig):
     return drafter, hot
 
 
+CALIBRATION_FILE = "spec_calibration.json"  # in the run's workdir
+
+
 def resolve_threshold(config: TrainConfig, engine: RolloutEngine, workdir: Path | None = None
                       ) -> int:  # fmt: skip
     """The SD threshold: `spec.threshold`, else the calibration file's (re-derived under
-    `spec.max_cost_ratio` when that is set), else measured now (written to
-    `workdir/spec_calibration.json` and logged); the engine's largest batch for
+    `spec.max_cost_ratio` when that is set), else the one this run measured when it started
+    (`workdir/spec_calibration.json`: a resumed run keeps it), else measured now (written
+    there and logged); the engine's largest batch for
     `spec.mode == "always"`. With `spec.mode == "off"` nothing is measured: the threshold
     (which then only sets where `long_tail_share` is counted) falls back to
     `REPORT_THRESHOLD`, the paper's default."""
@@ -217,14 +221,19 @@ def resolve_threshold(config: TrainConfig, engine: RolloutEngine, workdir: Path 
         return calibration.threshold_at(spec.max_cost_ratio)
     if spec.mode == "off":
         return REPORT_THRESHOLD
+    saved = None if workdir is None else Path(workdir) / CALIBRATION_FILE
+    if saved is not None and saved.is_file():  # a resumed run keeps the threshold it ran with
+        threshold = calibrate_lib.load_calibration(saved).threshold_at(spec.max_cost_ratio or 2.0)
+        log.info("SD threshold %d from %s (measured when the run started)", threshold, saved)
+        return threshold
     verify = min(SpecStrategy.parse(s.split("|")[0]).verify_tokens for s in spec.strategies)
     result = calibrate_lib.calibrate(engine, verify_tokens=verify, seed=config.seed,
                                      temperature=config.rollout.temperature,
                                      max_cost_ratio=spec.max_cost_ratio or 2.0)  # fmt: skip
     log.info("SD calibration (%.1f s): threshold %d, verify/plain cost per batch %s",
              result.seconds, result.threshold, result.to_dict()["cost_ratio"])  # fmt: skip
-    if workdir is not None:
-        result.save(Path(workdir) / "spec_calibration.json")
+    if saved is not None:
+        result.save(saved)
     return result.threshold
 
 

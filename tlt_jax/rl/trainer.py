@@ -215,9 +215,11 @@ class Trainer:
                 log.warning("resuming step %d with changed config groups %s", restored.step,
                             sorted(changed))  # fmt: skip
             self.sync_weights()
-        self.threshold = policy.resolve_threshold(
-            cfg, self.engine, self.workdir if self.group.is_primary else None
-        )
+        # Process 0 resolves (and measures, if it must) the threshold; every process decodes
+        # under its value, so the slices' bandits see the same buckets.
+        threshold = (policy.resolve_threshold(cfg, self.engine, self.workdir)
+                     if self.group.is_primary else None)  # fmt: skip
+        self.threshold = int(self.group.allgather("spec_threshold", threshold)[0])
         self.rollouts.install_step_policies(
             self.threshold,
             None if restored is None else rollout_slices.bandit_states(restored.extra),
@@ -690,9 +692,12 @@ class Trainer:
         return bool(jnp.isfinite(optax.global_norm(self.state.params)))
 
     def save(self) -> None:
+        """Writes the run checkpoint from process 0; every process calls it at the same step
+        (their slices' bandit states reach process 0 first)."""
+        bandits = self.rollouts.run_bandit_states(self.step_count)
         if not self.group.is_primary:
             return
-        extra, drafter, buffer = self.rollouts.state_dict()
+        extra, drafter, buffer = self.rollouts.state_dict(bandits)
         self.checkpointer.save(self.step_count, self.state, self.iterator.state(),
                                self.config.to_dict(), extra, drafter=drafter,
                                drafter_buffer=buffer)  # fmt: skip

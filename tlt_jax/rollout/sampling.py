@@ -14,10 +14,12 @@ what the RL trainer recomputes, so old and new logprobs compare like for like.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +31,15 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not 0 <= self.temperature < math.inf:  # also rejects NaN
+            raise ValueError(f"temperature={self.temperature} must be finite and >= 0 (0 means "
+                             "greedy)")  # fmt: skip
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if (not isinstance(self.top_k, int | np.integer) or isinstance(self.top_k, bool)
+                or self.top_k < 0):  # fmt: skip
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
+        object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def greedy(self) -> bool:
