@@ -266,7 +266,9 @@ def generation_key(model: Transformer, config: WarmupConfig, stop_ids: Sequence[
     """What decides the cached responses besides the prompts: the policy's weights (a digest
     of every parameter's sum, in tree order), the temperature, seed, stop ids and
     length."""
-    sums = [float(jnp.sum(x, dtype=jnp.float32)) for x in jax.tree.leaves(nnx.state(model))]
+    sums = jax.device_get(
+        [jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(nnx.state(model))]
+    )  # one host read
     return {"weights": hashlib.sha256(np.asarray(sums, np.float64).tobytes()).hexdigest()[:16],
             "temperature": config.temperature, "seed": config.seed,
             "stop_ids": sorted(int(t) for t in stop_ids),

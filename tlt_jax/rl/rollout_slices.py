@@ -216,13 +216,10 @@ class RolloutSlices:
         every = [pair for part in self.group.allgather(f"bandits/{step}", mine) for pair in part]
         return [state for _, state in sorted(every, key=lambda pair: pair[0])]
 
-    def state_dict(self, bandits: list[dict] | None = None) -> tuple[dict[str, Any], Any,
-                                                                    dict | None]:  # fmt: skip
+    def state_dict(self, bandits: list[dict]) -> tuple[dict[str, Any], Any, dict | None]:
         """(host state for the checkpoint's `extra`, the drafter's train state or None, its
         buffer's recent samples or None: absent, or over `spot.checkpoint_buffer_mb`).
-        `bandits`: every slice's, run-wide (`run_bandit_states`); default this process's."""
-        if bandits is None:
-            bandits = [s.engine.step_policy.state_dict() for s in self.slices]
+        `bandits`: every slice's, run-wide (`run_bandit_states`)."""
         extra: dict[str, Any] = {"bandit": bandits[0], "bandits": bandits}
         if self.online is None:
             return extra, None, None
