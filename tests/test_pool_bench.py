@@ -77,7 +77,10 @@ def test_plans_stop_at_the_threshold():
 @pytest.fixture(scope="module")
 def tiny():
     # Every source: n-gram and hybrid trees reuse the EAGLE programs, so the counts stay.
-    return pool_bench.run(pool_bench.PoolBenchConfig.tiny(sources=("eagle", "ngram", "hybrid")))
+    # Pools share what an earlier one compiled: the counts and memory are the same.
+    return pool_bench.run(
+        pool_bench.PoolBenchConfig.tiny(sources=("eagle", "ngram", "hybrid"), share_compiles=True)
+    )
 
 
 def test_tiny_pool_counts_by_hand(tiny):

@@ -26,6 +26,7 @@ state and weights, shared buffers counted once per program).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -80,6 +81,10 @@ class PoolBenchConfig:
       max_batch_size / kv_len: the engine's batch buckets (1, 2, 4, .., max) and its one kv bucket.
       hot_vocab: draft head size (0: the full vocabulary).
       greedy: greedy requests (False: sampled, as GRPO rollouts are).
+      share_compiles: a pool reuses the programs an earlier pool of the run compiled
+        (`programs.SHARED`): the counts, keys and memory figures are the same, the compile
+        seconds count only the first pool to compile each program (for tests; the benchmark
+        compiles every pool privately).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -92,6 +97,7 @@ class PoolBenchConfig:
     kv_len: int = 256
     hot_vocab: int = 2048
     greedy: bool = False
+    share_compiles: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -201,9 +207,9 @@ def engine_config(max_batch_size: int, kv_len: int) -> EngineConfig:
 
 
 def compile_pool(model, drafter, plan: Plan, config: EngineConfig, *, hot_vocab: int = 0,
-                 greedy: bool = False) -> list[CompiledInfo]:  # fmt: skip
-    """Runs `plan` on a fresh engine (fresh pool, compiling every program itself: nothing
-    from another pool of the process); returns what its pool compiled.
+                 greedy: bool = False, private: bool = True) -> list[CompiledInfo]:  # fmt: skip
+    """Runs `plan` on a fresh engine (a fresh pool; with `private`, compiling every program
+    itself: nothing from another pool of the process); returns what its pool compiled.
 
     Each (n, choice) is one `generate` of n requests of two tokens: a prefill, then one step
     of `choice` (plain when None) at n running requests.
@@ -212,7 +218,7 @@ def compile_pool(model, drafter, plan: Plan, config: EngineConfig, *, hot_vocab:
     engine = RolloutEngine(model, config, drafter=drafter, hot_token_ids=hot)
     sampling = SamplingParams() if greedy else SamplingParams(temperature=1.0)
     vocab = model.config.vocab_size
-    with programs.compile_privately():
+    with programs.compile_privately() if private else contextlib.nullcontext():
         for n, choice in plan:
             engine.step_policy = PlainPolicy() if choice is None else FixedPolicy(choice)
             requests = [Request(tuple((7 * i + j) % (vocab - 1) + 1
@@ -249,7 +255,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 def bench_pools(model, drafter, bandit: BanditConfig, *, max_batch_size: int = 32,
                 kv_len: int = 256, single: SpecStrategy | None = None, hot_vocab: int = 0,
-                greedy: bool = False) -> dict[str, Any]:  # fmt: skip
+                greedy: bool = False, share_compiles: bool = False) -> dict[str, Any]:  # fmt: skip
     """Compiles the single, naive and bucketed pools (module docstring) and compares them.
 
     Args:
@@ -261,6 +267,7 @@ def bench_pools(model, drafter, bandit: BanditConfig, *, max_batch_size: int = 3
       single: the single-strategy pool's strategy (None: bucket 0's first).
       hot_vocab: draft head size (0: full vocabulary).
       greedy: greedy requests (False: sampled).
+      share_compiles: pools reuse each other's programs (`PoolBenchConfig.share_compiles`).
 
     Returns:
       {"pools": {name: summarize(...)}, "ratios": naive/bucketed and bucketed/single of the SD
@@ -272,7 +279,7 @@ def bench_pools(model, drafter, bandit: BanditConfig, *, max_batch_size: int = 3
     for name in POOLS:
         start = time.perf_counter()
         compiled = compile_pool(model, drafter, plans[name], config, hot_vocab=hot_vocab,
-                                greedy=greedy)  # fmt: skip
+                                greedy=greedy, private=not share_compiles)  # fmt: skip
         pools[name] = {**summarize(compiled), "wall_seconds": round(time.perf_counter() - start, 2)}
         sd = pools[name]["sd"]
         log.info("%s pool: %d SD programs, %.1f s, %.1f MB executable", name, sd["programs"],
@@ -320,7 +327,7 @@ def run(config: PoolBenchConfig) -> dict[str, Any]:
     single = SpecStrategy.parse(config.single) if config.single else None
     result = bench_pools(model, drafter, config.bandit(), max_batch_size=config.max_batch_size,
                          kv_len=config.kv_len, single=single, hot_vocab=config.hot_vocab,
-                         greedy=config.greedy)  # fmt: skip
+                         greedy=config.greedy, share_compiles=config.share_compiles)  # fmt: skip
     paper = {f"{k}_gb": v for k, v in PAPER_GB.items()}
     paper["naive/bucketed"] = _ratio(PAPER_GB["naive"], PAPER_GB["bucketed"])
     paper["bucketed/single"] = _ratio(PAPER_GB["bucketed"], PAPER_GB["single"])
