@@ -196,3 +196,18 @@ def test_score_batch_rejects_bad_arguments():
 def test_score_batch_empty():
     result = rewards.score_batch("format", [], [])
     assert result.rewards.shape == (0,) and (result.num_errors, result.num_timeouts) == (0, 0)
+
+
+@pytest.mark.parametrize("blank", [" ", "\n"])
+def test_stated_answer_patterns_are_linear_in_a_run_of_blanks(blank):
+    # `\s*\**\s*` after "answer is" backtracked in cubic time: 1,500 blanks took about 30 s
+    # inside `re`, which holds the GIL, so `score_batch`'s timeout could not stop it.
+    texts = ["The answer is" + blank * 1500 + "unclear", "x =" + " " * 3000 + "y",
+             "x = 5" + " " * 3000 + "y", "answer is :" + blank * 3000 + "."]  # fmt: skip
+    start = time.monotonic()
+    result = rewards.score_batch("final_answer", texts, ["5"] * len(texts), timeout_s=1.0)
+    assert time.monotonic() - start < 1.0
+    assert result.num_timeouts == 0 and not result.rewards.any()
+    # The patterns still take what they took before.
+    assert rewards.extract_final_answer("The answer is:  ** 7 **.") == "7"
+    assert rewards.extract_final_answer("so 3 + 4 = 7 .") == "7"

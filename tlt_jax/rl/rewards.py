@@ -31,12 +31,16 @@ _LAST_NUMBER_RE = re.compile(rf"(?:(?<![\w)])[-+])?{_UNSIGNED}(?:/\d+)?")
 _SLASH_FRACTION_RE = re.compile(rf"^({_NUMBER})/({_NUMBER})$")
 _LATEX_FRACTION_RE = re.compile(r"^([-+]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}$")
 _TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf)\{[^{}]*\}")
+# No two adjacent parts of the next two patterns match the same characters (`\s*\**\s*`
+# did): after "answer is" or "=", a run of blanks then backtracks in linear time, not cubic
+# (800 newlines took 4 s inside `re`, which holds the GIL, so `score_batch`'s timeout could
+# not fire).
 # Stated final answers: "the answer is 17", "Answer: 17", "answer = 17" anywhere ...
 _ANSWER_IS_RE = re.compile(
-    rf"\banswer\s*(?:is\s*:?|:|=)\s*\**\s*({_NUMBER}(?:/\d+)?)(?![\d/])", re.IGNORECASE
+    rf"\banswer\s*(?:is(?:\s*:)?|:|=)(?:\s|\*)*({_NUMBER}(?:/\d+)?)(?![\d/])", re.IGNORECASE
 )
 # ... or a last line that ends in "= 17" or "is 17" (an optional "." after it).
-_LAST_LINE_RE = re.compile(rf"(?:=|\bis)\s*\**\s*({_NUMBER})\**\s*\.?\s*$")
+_LAST_LINE_RE = re.compile(rf"(?:=|\bis)(?:\s|\*)*({_NUMBER})\**(?:\s*\.)?\s*$")
 
 
 def _boxed_contents(text: str) -> list[str]:
