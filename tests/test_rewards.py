@@ -211,3 +211,28 @@ def test_stated_answer_patterns_are_linear_in_a_run_of_blanks(blank):
     # The patterns still take what they took before.
     assert rewards.extract_final_answer("The answer is:  ** 7 **.") == "7"
     assert rewards.extract_final_answer("so 3 + 4 = 7 .") == "7"
+
+
+@pytest.mark.parametrize(
+    "text, gold",
+    [
+        ("The answer is $42$.", "42"),  # a stated answer in math mode
+        ("The answer is $18.", "18"),  # money
+        (r"The answer is \$18.", "18"),
+        (r"So the answer is \(42\).", "42"),
+        ("Total = $7.", "7"),  # a last line ending in = N
+        ("#### **42**", "42"),  # markdown bold on the #### line (its format reward is 1)
+        (r"\boxed{**-5**}", "-5"),
+        ("The answer is \u22127.", "-7"),  # unicode minus
+    ],
+)
+def test_stated_answers_wrapped_in_dollars_bold_or_unicode_minus(text, gold):
+    assert rewards.final_answer_accuracy(text, gold) == 1.0
+    assert rewards.math_accuracy(text, gold) == 1.0
+
+
+def test_a_unicode_minus_is_not_dropped_from_the_last_number():
+    # The sign used to be lost, so "x = -7" (unicode minus) scored as correct for gold 7.
+    assert rewards.extract_answer("so x = \u22127") == "\u22127"
+    assert rewards.math_accuracy("so x = \u22127", "7") == 0.0
+    assert rewards.math_accuracy("so x = \u22127", "-7") == 1.0

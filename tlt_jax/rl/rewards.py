@@ -24,23 +24,28 @@ _HASHES = "####"
 # A plain number: optional sign, digits with optional well-formed thousands groups, optional
 # decimal part; or a bare decimal like ".5". Linear-time (no nested quantifiers).
 _UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-_NUMBER = rf"[-+]?{_UNSIGNED}"
+# `\u2212` is the unicode minus (`parse_number` reads it as `-`).
+_SIGN = "[-+\u2212]"
+_NUMBER = rf"{_SIGN}?{_UNSIGNED}"
 _NUMBER_RE = re.compile(rf"^{_NUMBER}$")
 # In running text a `-` right after a word or digit is a hyphen or range ("pages 3-5"), not a sign.
-_LAST_NUMBER_RE = re.compile(rf"(?:(?<![\w)])[-+])?{_UNSIGNED}(?:/\d+)?")
+_LAST_NUMBER_RE = re.compile(rf"(?:(?<![\w)]){_SIGN})?{_UNSIGNED}(?:/\d+)?")
 _SLASH_FRACTION_RE = re.compile(rf"^({_NUMBER})/({_NUMBER})$")
 _LATEX_FRACTION_RE = re.compile(r"^([-+]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}$")
 _TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf)\{[^{}]*\}")
+# What may wrap a stated number: markdown bold, `$` or `\$` (math or money), `\(` `\)`.
 # No two adjacent parts of the next two patterns match the same characters (`\s*\**\s*`
 # did): after "answer is" or "=", a run of blanks then backtracks in linear time, not cubic
 # (800 newlines took 4 s inside `re`, which holds the GIL, so `score_batch`'s timeout could
 # not fire).
+_OPEN = r"(?:\s|\*|\\?\$|\\\()*"
+_CLOSE = r"(?:\*|\$|\\\))*"
 # Stated final answers: "the answer is 17", "Answer: 17", "answer = 17" anywhere ...
 _ANSWER_IS_RE = re.compile(
-    rf"\banswer\s*(?:is(?:\s*:)?|:|=)(?:\s|\*)*({_NUMBER}(?:/\d+)?)(?![\d/])", re.IGNORECASE
+    rf"\banswer\s*(?:is(?:\s*:)?|:|=){_OPEN}({_NUMBER}(?:/\d+)?)(?![\d/])", re.IGNORECASE
 )
 # ... or a last line that ends in "= 17" or "is 17" (an optional "." after it).
-_LAST_LINE_RE = re.compile(rf"(?:=|\bis)(?:\s|\*)*({_NUMBER})\**(?:\s*\.)?\s*$")
+_LAST_LINE_RE = re.compile(rf"(?:=|\bis){_OPEN}({_NUMBER}){_CLOSE}(?:\s*\.)?\s*$")
 
 
 def _boxed_contents(text: str) -> list[str]:
@@ -69,8 +74,9 @@ def _hash_answers(text: str) -> list[str]:
 
 
 def _clean(answer: str) -> str:
-    answer = answer.replace("\\$", "").replace("$", "").strip()
-    return answer.rstrip(".").strip()
+    """Drops `$`, surrounding spaces and markdown bold (`**42**`), and a trailing `.`."""
+    answer = answer.replace("\\$", "").replace("$", "").strip().strip("*").strip()
+    return answer.rstrip(".").strip().strip("*").strip()
 
 
 def _marked_answer(text: str) -> str | None:
