@@ -681,6 +681,28 @@ def test_overlapped_engine_runs_every_sd_step_it_chose(engines, aligned):
         assert over.step_policy.sd_choices == [1] * (over.stats.spec_steps - before)
 
 
+def test_overlapped_sampled_sd_equals_the_synchronous_engine_when_a_request_ends_by_length(
+        engines, aligned):  # fmt: skip
+    """With `overlap_host`, request 0's last token (by length) is in flight when the batch would
+    fall to the SD threshold: the step after it must be the SD step the synchronous engine runs
+    (a plain step dispatched ahead decides request 1's next position with another draw)."""
+    sd, _ = engines
+    prompts = random_prompts(2, aligned[0].config.vocab_size, seed=21)
+    sampling = SamplingParams(temperature=1.0)
+    requests = [Request(prompts[0], 5, sampling, seed=0), Request(prompts[1], 20, sampling, seed=1)]
+    outs, steps = [], []
+    for overlap in (False, True):
+        engine = RolloutEngine(aligned[0], dataclasses.replace(sd.config, overlap_host=overlap),
+                               drafter=aligned[1])  # fmt: skip
+        outs.append(engine.generate(requests))
+        steps.append((engine.stats.decode_steps, engine.stats.spec_steps))
+    sync, over = outs
+    for a, b in zip(sync, over, strict=True):
+        assert (a.token_ids, a.accepted_lengths) == (b.token_ids, b.accepted_lengths)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert steps[0] == steps[1] and steps[0][1] > 0, steps
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_one_program_and_layered_steps_agree(aligned, temperature):
     """Each step as one program (`layers_per_program=0`, the accelerator default), as one

@@ -127,7 +127,10 @@ class EngineConfig:
     # request waits to be admitted): the host's per-step work (argument dispatch, reading and
     # emitting tokens, stop checks, slot moves) overlaps the device's step. A request's stop is
     # then seen one step late; the one token computed after it is dropped (outputs are those
-    # of `overlap_host=False`, token for token).
+    # of `overlap_host=False`, token for token, with plain steps only, or greedy). With a step
+    # policy that speculates, a stop seen late can also delay the switch into SD by a step
+    # (ends by length are foreseen and are not): sampled tokens of that step then differ from
+    # `overlap_host=False`'s, equally distributed (SD is lossless either way).
     overlap_host: bool = True
     # Two tiers of step programs. A decode or verify step at a (batch, kv) bucket first runs
     # as programs of `layers_per_program` layers each (`models.decode.LayeredForward`: one
@@ -1016,10 +1019,13 @@ class RolloutEngine:
             if not running:
                 continue
             # The step in flight is read first when the policy may plan an SD step (which
-            # needs the settled batch, and is chosen at its size) and when it is every running
-            # request's last (by length).
-            if pending is not None and (policy.may_speculate(len(running)) or all(
-                    _ends_at_next_token(r) for r in running)):  # fmt: skip
+            # needs the settled batch, and is chosen at its size), also at the batch left once
+            # the requests it ends by length are gone (the synchronous engine chooses there: a
+            # plain step dispatched ahead would decide positions its SD step decides, and
+            # sampled tokens would differ), and when it is every running request's last.
+            staying = sum(not _ends_at_next_token(r) for r in running)
+            if pending is not None and (staying == 0 or policy.may_speculate(len(running))
+                                        or policy.may_speculate(staying)):  # fmt: skip
                 read(pending)
                 pending = None
                 if not running:
