@@ -22,6 +22,7 @@ from test_speculative import (
 )
 
 from tlt_jax.models.drafter import init_drafter
+from tlt_jax.rollout import acceptance, speculative
 from tlt_jax.rollout.adaptive import AdaptivePolicy, BanditConfig, FixedPolicy, StepChoice
 from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams
@@ -107,14 +108,11 @@ ROWS = 2048
 SETTINGS = {"t1": SamplingParams(temperature=1.0), "t07p09": SamplingParams(0.7, top_p=0.9)}
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("source", ["ngram", "hybrid"])
-def test_sampled_ngram_and_hybrid_sd_match_the_target_distribution(small_vocab, source,
-                                                                    setting):  # fmt: skip
+def _sampled_sd_pvalues(model, drafter, source, sampling):
     """ROWS samples of 3 tokens after a repetitive prompt, each request a GRPO sibling of the
-    others (the n-gram index drafts from the prompt and the siblings' responses)."""
-    model, drafter = small_vocab
-    sampling = SETTINGS[setting]
+    others (the n-gram index drafts from the prompt and the siblings' responses). Returns the
+    chi-square p-values (next token, 3 tokens) against the exact probabilities, conditioned on
+    each of the two most frequent prefill tokens, and the engine's stats."""
     prompt = (3, 7, 1, 10, 3, 7, 1, 10, 3)
     requests = [Request(prompt, 4, sampling, seed=1000 + i) for i in range(ROWS)]
     engine = _engine(model, drafter, batch=64, kv_len=32,
@@ -124,19 +122,42 @@ def test_sampled_ngram_and_hybrid_sd_match_the_target_distribution(small_vocab, 
     first = np.array([c.token_ids[0] for c in done])
     samples = np.array([c.token_ids[1:4] for c in done])
     vocab = model.config.vocab_size
-    for token in np.unique(first)[:2]:  # condition on the prefill token
+    counts = np.bincount(first, minlength=vocab)
+    # The two most frequent prefill tokens: the two smallest ids had under 300 rows each at
+    # temperature 1, so nothing was checked there.
+    pvalues = []
+    for token in np.argsort(-counts, kind="stable")[:2]:
         rows = samples[first == token]
-        if len(rows) < 300:
-            continue
+        assert len(rows) >= 300, counts
         probs = exact_sequence_probs(model, np.array(prompt + (int(token),)), sampling)
         p_first, _ = chi_square_pvalue(np.bincount(rows[:, 0], minlength=vocab),
                                        probs.sum((1, 2)))  # fmt: skip
         p_seq, _ = chi_square_pvalue(
             np.bincount(np.ravel_multi_index(rows.T, (vocab,) * 3), minlength=vocab**3), probs
         )
-        assert p_first > 1e-4 and p_seq > 1e-4, (token, p_first, p_seq)
-    stats = engine.stats
+        pvalues += [p_first, p_seq]
+    return pvalues, engine.stats
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("source", ["ngram", "hybrid"])
+def test_sampled_ngram_and_hybrid_sd_match_the_target_distribution(small_vocab, source,
+                                                                    setting):  # fmt: skip
+    model, drafter = small_vocab
+    pvalues, stats = _sampled_sd_pvalues(model, drafter, source, SETTINGS[setting])
+    assert min(pvalues) > 1e-4, pvalues
     assert stats.spec_tokens_by_source[source] > 1.2 * stats.spec_rows_by_source[source]
+
+
+def test_the_sampled_check_fails_a_residual_keeping_the_tried_children(small_vocab, monkeypatch):
+    """The negative case: the same check at temperature 1 fails the wrong residual."""
+
+    def buggy(*args, **kwargs):
+        return acceptance.accept_tree(*args, **{**kwargs, "residual": "buggy_no_removal"})
+
+    monkeypatch.setattr(speculative, "accept_tree", buggy)
+    pvalues, _ = _sampled_sd_pvalues(*small_vocab, "ngram", SETTINGS["t1"])
+    assert min(pvalues) < 1e-6, pvalues
 
 
 def test_sd_logprobs_are_the_plain_logprobs_of_the_emitted_tokens(pair):
