@@ -248,3 +248,61 @@ def test_writer_tensorboard_accepts_a_tlt_record(tmp_path):
     writer.write(tlt_record(1))
     writer.close()
     assert any(p.stat().st_size > 0 for p in (tmp_path / "tensorboard").iterdir())
+
+
+def _tensorboard_view(logdir):
+    """(tag, step) -> value as TensorBoard shows the event files of `logdir`: files in name
+    order, and a `SessionLog.START` at step s hides the events of steps >= s before it."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    shown = {}
+    for path in sorted(logdir.iterdir()):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            if event.session_log.status == event_pb2.SessionLog.START:
+                shown = {k: v for k, v in shown.items() if k[1] < event.step}
+            for value in event.summary.value:
+                assert (value.tag, event.step) not in shown, "a step logged twice"
+                shown[value.tag, event.step] = value.simple_value
+    return shown
+
+
+def test_resume_purges_the_abandoned_steps_from_tensorboard(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    for step in range(1, 6):
+        writer.write({"step": step, "loss": float(step)})
+    writer.close()  # the run died after step 5; its last checkpoint is step 3
+    for path in (tmp_path / "tensorboard").iterdir():  # (an earlier second's file name)
+        path.rename(path.with_name("events.out.tfevents.0.old"))
+    resumed = MetricsWriter(tmp_path)
+    resumed.truncate_after(3)
+    for step in (4, 5):
+        resumed.write({"step": step, "loss": 10.0 * step})
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    assert _tensorboard_view(tmp_path / "tensorboard") == {
+        ("loss", 1): 1.0,
+        ("loss", 2): 2.0,
+        ("loss", 3): 3.0,
+        ("loss", 4): 40.0,
+        ("loss", 5): 50.0,
+    }
+
+
+def test_resume_after_a_torn_last_record(tmp_path):
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    for step in (1, 2, 3):
+        writer.write({"step": step, "response_lengths": list(range(3000))})
+    line = json.dumps({"step": 4, "response_lengths": list(range(3000))})
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(line[:8192])  # killed (or out of disk) while appending step 4
+    MetricsWriter(tmp_path, tensorboard=False).truncate_after(2)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": \n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON record"):
+        read_metrics(tmp_path)

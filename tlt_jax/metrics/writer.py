@@ -11,6 +11,7 @@ a tag become `_`). Strings and other values are JSON only.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+log = logging.getLogger(__name__)
 _TAG_INVALID = re.compile(r"[^-/\w.]")  # what tensorboardX's own tag cleaning replaces
 
 
@@ -79,14 +81,26 @@ def tensorboard_values(record: dict[str, Any]) -> tuple[dict[str, float], dict[s
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of `workdir/metrics.jsonl` in file order ([] when there is none)."""
+    """The records of `workdir/metrics.jsonl` in file order ([] when there is none).
+
+    An unterminated last line that is not JSON (a write a crash or a full disk cut short) is
+    skipped with a warning; any other malformed line raises `ValueError` naming file and line.
+    """
     path = Path(workdir) / METRICS_FILE
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text().splitlines():
-        if line.strip():
+    lines = path.read_text().split("\n")  # the last item is "" when the file ends in a newline
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
             records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                log.warning("%s:%d: skipping an unfinished last record (%s)", path, number, e)
+                continue
+            raise ValueError(f"{path}:{number}: not a JSON record ({e})") from e
     return records
 
 
@@ -95,7 +109,9 @@ class MetricsWriter:
     `workdir/tensorboard` (see the module docstring for lists and dicts).
 
     On resume from checkpoint step k, `truncate_after(k)` drops the records of steps after k,
-    which the resumed run recomputes, so the file holds each step once.
+    which the resumed run recomputes, so the file holds each step once; TensorBoard is told the
+    same (a `SessionLog.START` at step k + 1, tensorboardX's `purge_step`), so it hides the
+    earlier run's events of those steps instead of showing each step twice.
     """
 
     def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True):
@@ -103,16 +119,29 @@ class MetricsWriter:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.path = self.workdir / METRICS_FILE
         self._tb = None
-        if tensorboard:
+        self._tensorboard = tensorboard
+        self._purge_step: int | None = None
+        if tensorboard:  # the event file is opened on first use (after a resume's truncation)
+            import tensorboardX  # noqa: F401  (fail here, not at the first step, if missing)
+
+    def _tensorboard_writer(self):
+        if self._tb is None and self._tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+            logdir = str(self.workdir / "tensorboard")
+            purge = {} if self._purge_step is None else {"purge_step": self._purge_step}
+            self._tb = SummaryWriter(logdir, **purge)
+        return self._tb
 
     def truncate_after(self, step: int) -> None:
         kept = [r for r in read_metrics(self.workdir) if int(r.get("step", 0)) <= step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, self.path)
+        self._purge_step = step + 1
+        if self._tb is not None:  # already writing: the purge marker goes in a new event file
+            self._tb.close()
+            self._tb = None
 
     def write(self, record: dict[str, Any]) -> None:
         """Appends one step record (must have `step`): all of it to JSON, its numbers, numeric
@@ -121,14 +150,15 @@ class MetricsWriter:
         line = json.dumps(_jsonable(record))  # before writing: a bad value leaves no half line
         with self.path.open("a") as f:
             f.write(line + "\n")
-        if self._tb is None:
+        tb = self._tensorboard_writer()
+        if tb is None:
             return
         scalars, histograms = tensorboard_values(record)
         for tag, value in scalars.items():
-            self._tb.add_scalar(tag, value, step)
+            tb.add_scalar(tag, value, step)
         for tag, values in histograms.items():
-            self._tb.add_histogram(tag, values, step)
-        self._tb.flush()
+            tb.add_histogram(tag, values, step)
+        tb.flush()
 
     def close(self) -> None:
         if self._tb is not None:
