@@ -546,6 +546,43 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
     assert steps[-1] == 5 and 3 in steps
 
 
+def test_another_policys_drafter_checkpoint_is_refused_by_name_before_any_work(
+    tmp_path, monkeypatch
+):
+    """A workdir whose drafter checkpoint was trained for a policy of other shapes: the
+    architecture check names the field (orbax's shape error used to come first), and the
+    warm-up refuses it before regenerating the cached responses or compiling the harvest."""
+    from tlt_jax.drafter import warmup
+
+    config = DrafterTrainConfig(optim=FAST_OPTIM, batch_rows=2, row_len=64)
+    checkpointer = DrafterCheckpointer(tmp_path / "work" / "checkpoints", CONFIG,
+                                       async_save=False)  # fmt: skip
+    assert checkpointer.save(init_train_state(random_drafter(4).params_dict(), config), force=True)
+    checkpointer.close()
+    wider = CONFIG.replace(intermediate_size=2 * CONFIG.intermediate_size)
+    fresh = jax.eval_shape(lambda: init_train_state(random_drafter(4, wider).params_dict(), config))
+    other = DrafterCheckpointer(tmp_path / "work" / "checkpoints", wider)
+    with pytest.raises(ValueError, match="another drafter.*intermediate_size"):
+        other.restore(fresh)
+    other.close()
+    cache = tmp_path / "work" / "responses.jsonl"
+    cache.write_text("the earlier policy's responses\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "q"}) + "\n")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("generated or harvested before refusing the checkpoint")
+
+    monkeypatch.setattr(warmup, "generate_responses", no_work)
+    monkeypatch.setattr(warmup, "harvest_features", no_work)
+    warm = warmup.WarmupConfig(prompts=str(prompts), workdir=str(tmp_path / "work"),
+                               train=config)  # fmt: skip
+    with pytest.raises(ValueError, match="another drafter.*intermediate_size"):
+        warmup.run_warmup(warm, nnx.eval_shape(lambda: Transformer(wider, rngs=nnx.Rngs(0))),
+                          _ByteTokenizer(), max_steps=2)  # fmt: skip
+    assert cache.read_text() == "the earlier policy's responses\n"
+
+
 @pytest.mark.parametrize("fc_bias", [False, True])
 def test_export_matches_torch_eagle_reference(embed_head, tmp_path, fc_bias):
     """What an HF / SGLang EAGLE loader computes from the export equals our drafter; an

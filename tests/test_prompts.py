@@ -12,6 +12,7 @@ import pytest
 from tlt_jax.data.pipeline import DEFAULT_INSTRUCTION, read_prompt_rows, render_prompt
 from tlt_jax.data.tokenizer import ByteTokenizer, PromptEncoder, stop_token_ids
 from tlt_jax.drafter import warmup
+from tlt_jax.models.presets import get_preset
 from tlt_jax.rl import policy
 from tlt_jax.rl.config import ModelSettings, TrainConfig
 from tlt_jax.rollout import generate
@@ -85,8 +86,8 @@ def test_smollm2_stop_ids_are_shared_by_trainer_generate_and_warmup(
 
     monkeypatch.setattr(warmup, "generate_responses", fake_generate)
 
-    class Model:
-        config = type("C", (), {"vocab_size": len(tokenizer)})
+    class Model:  # the warm-up reads its config only (its drafter checkpoints' architecture)
+        config = get_preset("smollm2_135m").replace(vocab_size=len(tokenizer))
 
     prompts = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": QUESTION}])
     config = warmup.WarmupConfig(prompts=str(prompts), workdir=str(tmp_path / "work"))

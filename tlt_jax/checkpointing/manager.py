@@ -203,6 +203,29 @@ class DrafterCheckpointer(_Checkpointer):
         )
         return self._manager.save(step, args=args, force=force)
 
+    def check(self, step: int | None = None) -> int | None:
+        """Reads only the architecture stored with the checkpoint at `step` (default latest)
+        and compares it with this drafter's, before anything is generated, compiled or
+        restored; returns the step checked (None: no checkpoint).
+
+        Raises:
+          ValueError: when the checkpoint belongs to a different drafter architecture, naming
+            the directory and the differing fields.
+        """
+        step = self._manager.latest_step() if step is None else step
+        if step is None:
+            return None
+        stored = self._manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config  # fmt: skip
+        if stored != self._metadata:
+            diff = {k: (stored.get(k), v) for k, v in self._metadata.items()
+                    if stored.get(k) != v}  # fmt: skip
+            raise ValueError(
+                f"checkpoint {self.directory}/{step} is for another drafter: "
+                f"(checkpoint, expected) differ at {diff}"
+            )
+        return step
+
     def restore(self, like: Any, step: int | None = None) -> Any:
         """The checkpointed state (latest unless `step`), laid out like `like`; None if none.
 
@@ -210,21 +233,15 @@ class DrafterCheckpointer(_Checkpointer):
         sharding are restored onto the default device.
 
         Raises:
-          ValueError: when the checkpoint belongs to a different drafter architecture.
+          ValueError: when the checkpoint belongs to a different drafter architecture (checked
+            before the state is read, whose shapes may not fit `like`).
         """
-        step = self._manager.latest_step() if step is None else step
+        step = self.check(step)
         if step is None:
             return None
         default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=getattr(x, "sharding", None) or default), like)  # fmt: skip
         restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), config=ocp.args.JsonRestore()))  # fmt: skip
-        if restored.config != self._metadata:
-            diff = {k: (restored.config.get(k), v) for k, v in self._metadata.items()
-                    if restored.config.get(k) != v}  # fmt: skip
-            raise ValueError(
-                f"checkpoint {self.directory}/{step} is for another drafter: "
-                f"(checkpoint, expected) differ at {diff}"
-            )
+            state=ocp.args.StandardRestore(abstract)))  # fmt: skip
         return restored.state

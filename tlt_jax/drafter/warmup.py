@@ -314,6 +314,11 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
                          f"vocab_size={vocab_size}")  # fmt: skip
     workdir = Path(config.workdir).expanduser()
     workdir.mkdir(parents=True, exist_ok=True)
+    # A workdir of another policy's drafter fails here, before its cached responses are
+    # regenerated (and overwritten) and the harvest compiles.
+    checkpointer = DrafterCheckpointer(workdir / "checkpoints", model.config)
+    trained_steps = checkpointer.check() or 0
+    checkpointer.close()
     prompt_ids = load_prompt_ids(config, tokenizer)
     cache_path = workdir / "responses.jsonl"
     stop_ids = stop_token_ids(tokenizer)
@@ -337,9 +342,6 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
         hot_ids = hot_token_ids(counts_V, config.hot_vocab_size)
     train = config.train
     buffer = make_buffer(train, max_samples=len(prompt_ids))  # every sample is from step 0
-    checkpointer = DrafterCheckpointer(workdir / "checkpoints", model.config)
-    trained_steps = checkpointer.latest_step() or 0
-    checkpointer.close()
     if trained_steps < max_steps:  # a finished run only exports: no policy forward needed
         stored = harvest_features(model, buffer, prompt_ids, responses,
                                   batch_size=config.harvest_batch)  # fmt: skip
