@@ -155,6 +155,29 @@ def test_generate_config_draft_source():
         GenerateConfig(draft="medusa")
 
 
+def test_generate_refuses_an_unwritable_output_before_loading_the_model(tmp_path, monkeypatch):
+    """--output is written once every prompt is generated: a path that cannot take the file
+    fails first (it used to fail after the whole run, losing every completion)."""
+    from tlt_jax.data.tokenizer import ByteTokenizer
+    from tlt_jax.models import checkpoints
+    from tlt_jax.rollout import generate
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before --output was checked")
+
+    monkeypatch.setattr(checkpoints, "load_tokenizer", lambda name: ByteTokenizer())
+    monkeypatch.setattr(checkpoints, "load_model", no_model)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("")
+    for output, message in [(tmp_path / "a_dir", "is a directory"),
+                            (tmp_path / "a_file" / "out.jsonl", "cannot be written")]:  # fmt: skip
+        config = generate.GenerateConfig(model="tiny", prompts=str(prompts), output=str(output))
+        with pytest.raises(ValueError, match=f"--output='{output}' {message}"):
+            generate.run(config)
+
+
 def test_logit_parity_of_a_model_with_itself_and_in_bfloat16():
     import dataclasses
 

@@ -102,10 +102,26 @@ def build_requests(
     return requests
 
 
+def check_output(path: str) -> None:
+    """Fails now, naming `--output`, if the results could not be written there after the run
+    (a directory, or a path that cannot be created or opened for writing)."""
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--output={path!r} is a directory; expected the path of a JSONL file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a"):  # appends nothing: the file is rewritten once generation ends
+            pass
+    except OSError as e:
+        raise ValueError(f"--output={path!r} cannot be written: {e}") from e
+
+
 def run(config: GenerateConfig) -> dict[str, Any]:
     """Generates for every prompt, writes the JSONL output, returns a summary."""
     from tlt_jax.models import checkpoints
 
+    if config.output:  # before the model loads and the programs compile
+        check_output(config.output)
     rows = read_prompt_rows(config.prompts)
     tokenizer = checkpoints.load_tokenizer(config.model)
     requests = build_requests(tokenizer, rows, config)
@@ -147,7 +163,6 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     completions = engine.generate(requests)
     elapsed = time.perf_counter() - start
     if config.output:
-        Path(config.output).parent.mkdir(parents=True, exist_ok=True)
         with open(config.output, "w") as f:
             for comp in completions:
                 f.write(json.dumps(completion_record(comp, tokenizer)) + "\n")
