@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from etils import epath
 
 from tlt_jax.data import arithmetic, gsm8k, pipeline
 
@@ -217,6 +218,15 @@ def test_gsm8k_malformed_line_names_file_and_line(tmp_path):
     _write_jsonl(raw, "test.jsonl", [{"question": "q", "answer": "#### 1"}])
     with pytest.raises(ValueError, match=r"train\.jsonl:1: no final answer"):
         pipeline.load_split("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=raw)
+
+
+@pytest.mark.parametrize("line", ['[1, 2]', '"text"', '{"question": null, "answer": "#### 3"}',
+                                  '{"question": "q", "answer": 3}'])  # fmt: skip
+def test_gsm8k_row_of_the_wrong_type_names_file_and_line(tmp_path, line):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "q", "answer": "#### 1"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=r"train\.jsonl:2: expected an object with string"):
+        list(gsm8k.read_jsonl(epath.Path(path)))
 
 
 def test_gsm8k_missing_folder_or_file_names_flag_and_path(tmp_path):

@@ -120,6 +120,13 @@ def read_jsonl(path: epath.Path) -> Iterator[tuple[int, dict]]:
                 continue
             try:
                 record = json.loads(line)
+                if not isinstance(record, dict) or not all(
+                    isinstance(record.get(key), str) for key in ("question", "answer")
+                ):
+                    raise ValueError(
+                        f"expected an object with string 'question' and 'answer'; got "
+                        f"{line.strip()[:80]}"
+                    )
                 example = {
                     "question": record["question"].strip(),
                     "answer": parse_final_answer(record["answer"]),
