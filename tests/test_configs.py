@@ -39,7 +39,7 @@ def test_every_config_file_is_listed():
 
 
 @pytest.mark.parametrize(("name", "arg"), DRAFTER_CONFIGS)
-def test_drafter_config_loads_and_builds(name, arg):
+def test_drafter_config_loads_and_builds(name, arg, tmp_path):
     """train_drafter.py's config files: every field typed, the optimizer the RL run's own."""
     from tlt_jax.drafter.warmup import config_from_dict
     from tlt_jax.optim import OptimConfig
@@ -47,7 +47,11 @@ def test_drafter_config_loads_and_builds(name, arg):
     raw = load_config_dict(name, arg)
     with pytest.raises(ValueError, match="prompts=''"):
         config_from_dict(raw, "/tmp/w")
-    raw.prompts = "prompts.jsonl"
+    raw.prompts = str(tmp_path / "prompts.jsonl")
+    # A missing prompts file is named before train_drafter.py loads the policy.
+    with pytest.raises(FileNotFoundError, match=r"prompts=.*prompts\.jsonl' is not a file"):
+        config_from_dict(raw, "/tmp/w")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "q"}\n')
     config, script = config_from_dict(raw, "/tmp/w")
     assert script["model"] == "smollm2-135m-instruct" and config.workdir == "/tmp/w"
     assert isinstance(config.train.optim, OptimConfig)

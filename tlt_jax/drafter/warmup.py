@@ -142,6 +142,9 @@ def config_from_dict(config: Any, workdir: str) -> tuple[WarmupConfig, dict[str,
         raise ValueError("model='' : set the policy (HF directory, .gguf or short name)")
     if not raw.get("prompts"):
         raise ValueError("prompts='' : set --config.prompts to a JSONL of questions")
+    if not Path(raw["prompts"]).is_file():  # before the policy loads
+        raise FileNotFoundError(f"prompts={raw['prompts']!r} is not a file; set "
+                                "--config.prompts to a JSONL of questions")  # fmt: skip
     return _build(WarmupConfig, {**raw, "workdir": workdir}, ""), script
 
 
