@@ -13,6 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from rl_testing import REPO
 
 from tlt_jax.checkpointing.manager import RunCheckpointer
@@ -62,6 +63,23 @@ def test_round_trip_retention_and_crash_leftovers(tmp_path):
     assert reopened.latest_step() == 4
     assert reopened.restore(_state()).step == 4
     assert not leftover.exists()
+    reopened.close()
+
+
+def test_a_workdir_of_another_model_is_named(tmp_path):
+    from flax import nnx
+
+    checkpointer = RunCheckpointer(tmp_path, async_save=False)
+    checkpointer.save(2, _state(), {"epoch": 0, "index": 2}, {"model": {"preset": "tiny"}})
+    checkpointer.close()
+    wider = get_preset("tiny").replace(intermediate_size=256)
+    optimizer = step_lib.make_optimizer(OptimConfig(learning_rate=1e-3), 10)
+    like = jax.eval_shape(
+        lambda: step_lib.init_train_state(nnx.state(init_model(wider, seed=0)), optimizer, 0)
+    )
+    reopened = RunCheckpointer(tmp_path)
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path}/2 does not fit .*'tiny'"):
+        reopened.restore(like)
     reopened.close()
 
 

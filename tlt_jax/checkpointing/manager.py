@@ -156,7 +156,14 @@ class RunCheckpointer(_Checkpointer):
         has_buffer = has_drafter and (self.directory / str(step) / "drafter_buffer").exists()
         if has_buffer:  # host arrays of the shapes they were saved with
             items["drafter_buffer"] = ocp.args.StandardRestore()
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except ValueError as e:  # orbax names a shape, not the checkpoint or its run
+            model = (self.read_config(step) or {}).get("model")
+            raise ValueError(
+                f"checkpoint {self.directory}/{step} does not fit this run's state (a workdir "
+                f"of another model config? the checkpoint's model settings: {model}): {e}"
+            ) from e
         extra = dict(restored.extra) if has_extra else {}
         state = self._placed(restored.state, like)
         drafter = self._placed(restored.drafter, drafter_like) if has_drafter else None
