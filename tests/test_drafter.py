@@ -583,6 +583,19 @@ def test_another_policys_drafter_checkpoint_is_refused_by_name_before_any_work(
     assert cache.read_text() == "the earlier policy's responses\n"
 
 
+def test_a_torn_response_cache_is_regenerated_not_fatal(tmp_path):
+    """A warm-up killed while writing responses.jsonl left half a line: the next run
+    generates anew (it used to stop on a JSONDecodeError naming no file)."""
+    from tlt_jax.drafter import warmup
+
+    line = json.dumps({"prompt_ids": [1, 2], "response_ids": list(range(500)), "generation": {}})
+    cache = tmp_path / "responses.jsonl"
+    cache.write_text(line + "\n" + line[:300])
+    assert warmup._cached_responses(cache, [[1, 2]] * 2, {}) is None
+    cache.write_text(line + "\n" + line + "\n")
+    assert warmup._cached_responses(cache, [[1, 2]] * 2, {}) == [list(range(500))] * 2
+
+
 @pytest.mark.parametrize("fc_bias", [False, True])
 def test_export_matches_torch_eagle_reference(embed_head, tmp_path, fc_bias):
     """What an HF / SGLang EAGLE loader computes from the export equals our drafter; an

@@ -285,7 +285,11 @@ def _cached_responses(path: Path, prompt_ids: list[list[int]], key: dict):
     on the wrong distribution)."""
     if not path.is_file():
         return None
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as e:  # e.g. an earlier run's write cut short
+        logging.info("%s is not readable (%s): generating the responses anew", path, e)
+        return None
     if len(lines) != len(prompt_ids) or any(
         line["prompt_ids"] != p for line, p in zip(lines, prompt_ids, strict=True)
     ):
@@ -334,11 +338,14 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
             seed=config.seed,
         )  # fmt: skip
         key = key or generation_key(model, config, stop_ids)
-        cache_path.write_text("".join(
+        # Written aside and renamed: a kill mid-write leaves the old cache or none, not half.
+        cache_tmp = cache_path.with_suffix(".tmp")
+        cache_tmp.write_text("".join(
             json.dumps({"prompt_ids": p, "response_ids": r,
                         "max_new_tokens": config.max_new_tokens, "generation": key}) + "\n"
             for p, r in zip(prompt_ids, responses, strict=True)
         ))  # fmt: skip
+        os.replace(cache_tmp, cache_path)
     counts_V = count_tokens(responses, vocab_size)
     hot_ids = None
     if config.hot_vocab_size is not None:
