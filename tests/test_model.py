@@ -322,6 +322,20 @@ def test_export_in_shards_round_trips(tiny, tmp_path):
     )
 
 
+def test_export_over_an_earlier_sharded_export_loads_the_new_weights(tmp_path):
+    """The earlier export's index would shadow the new single file (silently the old weights)."""
+    from tlt_jax.models.transformer import init_model
+
+    config = get_preset("tiny")
+    old, new = init_model(config, seed=0), init_model(config, seed=1)
+    checkpoints.export_hf(old, tmp_path, max_shard_bytes=50_000)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    checkpoints.export_hf(new, tmp_path)
+    assert not list(tmp_path.glob("model-*-of-*.safetensors"))
+    np.testing.assert_array_equal(checkpoints.load_model(tmp_path).embed.get_value(),
+                                  new.embed.get_value())  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -25,7 +25,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from tlt_jax.models.checkpoints import _LAYER_EXPORT, _LAYER_TENSORS, SafetensorsSource
+from tlt_jax.models.checkpoints import (
+    _LAYER_EXPORT,
+    _LAYER_TENSORS,
+    SafetensorsSource,
+    remove_weight_files,
+)
 from tlt_jax.models.config import ModelConfig, config_from_hf_dict
 from tlt_jax.models.drafter import Drafter, DrafterParams, drafter_config, drafter_from_params
 
@@ -86,6 +91,7 @@ def export_eagle(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_weight_files(out)  # an earlier export's index would shadow the new file
     config = drafter_config(target_config).replace(param_dtype="float32")
     hf = config.to_hf_dict()
     hf["architectures"] = [EAGLE_ARCHITECTURES[config.model_type]]

@@ -401,6 +401,16 @@ def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
     return out
 
 
+def remove_weight_files(directory: Path) -> None:
+    """Deletes the safetensors weights an earlier export left in `directory` (single file,
+    `model-*-of-*` shards, index): a stale `model.safetensors.index.json` would take
+    precedence over a new single-file export, as `SafetensorsSource` reads the index first."""
+    stale = [directory / "model.safetensors.index.json", directory / "model.safetensors"]
+    for path in [*stale, *directory.glob("model-*-of-*.safetensors")]:
+        if path.is_file():
+            path.unlink()
+
+
 def export_hf(
     model: Transformer,
     out_dir: str | os.PathLike,
@@ -413,6 +423,7 @@ def export_hf(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_weight_files(out)
     config = model.config.replace(param_dtype="float32")
     tensors = hf_state_dict(model)
     shards: list[dict[str, np.ndarray]] = [{}]
