@@ -383,6 +383,8 @@ def test_data_config_validation_names_field_value_and_choices():
         pipeline.DataConfig(num_train=0)
     with pytest.raises(ValueError, match="DataConfig.seed=-1"):
         pipeline.DataConfig(seed=-1)
+    with pytest.raises(ValueError, match="DataConfig.eval_split='train' is the train split"):
+        pipeline.DataConfig(eval_split="train")
 
 
 def test_data_config_end_to_end(tmp_path):

@@ -247,7 +247,12 @@ def test_writer_tensorboard_accepts_a_tlt_record(tmp_path):
     writer = MetricsWriter(tmp_path)
     writer.write(tlt_record(1))
     writer.close()
-    assert any(p.stat().st_size > 0 for p in (tmp_path / "tensorboard").iterdir())
+    # Read back from the event file, by hand: every scalar at step 1 (NaN included), by tag.
+    shown = _tensorboard_view(tmp_path / "tensorboard")
+    assert shown[("sd_choices/1/ngram_4_1_5", 1)] == 7.0 and shown[("sd_steps", 1)] == 12.0
+    assert np.isnan(shown.pop(("accept_len_eagle", 1)))
+    want = {k: v for k, v in tensorboard_values(tlt_record(1))[0].items() if not np.isnan(v)}
+    assert shown == pytest.approx({(tag, 1): value for tag, value in want.items()}, rel=1e-6)
 
 
 def _tensorboard_view(logdir):
@@ -267,6 +272,8 @@ def _tensorboard_view(logdir):
             if event.session_log.status == event_pb2.SessionLog.START:
                 shown = {k: v for k, v in shown.items() if k[1] < event.step}
             for value in event.summary.value:
+                if value.WhichOneof("value") != "simple_value":
+                    continue  # histograms
                 assert (value.tag, event.step) not in shown, "a step logged twice"
                 shown[value.tag, event.step] = value.simple_value
     return shown

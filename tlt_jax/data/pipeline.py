@@ -374,6 +374,11 @@ class DataConfig:
                 raise ValueError(
                     f"DataConfig.{field}={getattr(self, field)!r} is not one of {SPLITS}"
                 )
+        if self.eval_split == self.train_split:
+            raise ValueError(
+                f"DataConfig.eval_split={self.eval_split!r} is the train split: evaluation "
+                f"reads held-out problems; expected another of {SPLITS}"
+            )
 
 
 def load_data(config: DataConfig, split: str) -> list[dict[str, Any]]:
