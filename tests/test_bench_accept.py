@@ -41,6 +41,18 @@ def test_summary_goals_by_hand():
         bench_accept.train_argv("c.py", REPO, "frozen", 2, None)
 
 
+def test_ngram_figures_are_a_mean_over_every_run_and_a_final_per_run():
+    # Two runs whose n-gram figures differ: the mean is over every logged step of both runs
+    # (not the last three steps of whichever run came last), and each run's final n-gram
+    # figure is the mean of its own last three, as `final_accept_len` is for EAGLE.
+    runs = {"spot": _rows([2.0] * 4, [1.0, 1.0, None, 1.0]),
+            "cold": _rows([1.0] * 4, [3.0, 3.0, 3.0, 3.0])}  # fmt: skip
+    s = bench_accept.summarize(runs)
+    assert s["ngram_accept_len_mean"] == pytest.approx((3 * 1.0 + 4 * 3.0) / 7)
+    assert s["final_ngram_accept_len"] == {"spot": pytest.approx(1.0), "cold": pytest.approx(3.0)}
+    assert bench_accept.summarize({"cold": _rows([1.0], [None])})["ngram_accept_len_mean"] is None
+
+
 def test_frozen_variant_runs_end_to_end(tmp_path):
     drafter = init_drafter(get_preset("tiny"), seed=2)
     warm = export_eagle(drafter.params_dict(), get_preset("tiny"), tmp_path / "eagle")

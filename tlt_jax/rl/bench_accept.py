@@ -71,10 +71,15 @@ def _final(values: list[float | None]) -> float | None:
 def summarize(runs: dict[str, list[dict]]) -> dict:
     """Acceptance by step per variant, the final values and the issue's goals."""
     by_step = {v: [r["accept_len_eagle"] for r in rows] for v, rows in runs.items()}
-    ngram = [r["accept_len_ngram"] for rows in runs.values() for r in rows]
     final = {v: _final(values) for v, values in by_step.items()}
+    # The n-gram drafts' figure: the mean over every step of every run that had n-gram SD
+    # steps, and per run the mean of its last steps, as `final_accept_len` is for EAGLE.
+    ngram = [v for rows in runs.values() for r in rows
+             if (v := r["accept_len_ngram"]) is not None and math.isfinite(v)]  # fmt: skip
     out: dict = {"accept_len_by_step": by_step, "final_accept_len": final,
-                 "ngram_accept_len_mean": _final(ngram) if ngram else None}  # fmt: skip
+                 "ngram_accept_len_mean": sum(ngram) / len(ngram) if ngram else None,
+                 "final_ngram_accept_len": {v: _final([r["accept_len_ngram"] for r in rows])
+                                            for v, rows in runs.items()}}  # fmt: skip
     if final.get("spot") is not None and final.get("frozen") is not None:
         gain = final["spot"] - final["frozen"]
         out["spot_minus_frozen"] = gain
