@@ -11,6 +11,7 @@ training off and on side by side, alternating, `--rounds` times, plain decoding 
 """
 
 import json
+import os
 import sys
 import tempfile
 
@@ -40,10 +41,10 @@ def main(argv):
     distributed.initialize_from_env()
     import jax
 
-    from tlt_jax.rl.bench_spot import bench_config, bench_spot
+    from tlt_jax.rl.bench_spot import bench_config, bench_spot, reproducing_command
     from tlt_jax.rl.config import TrainConfig
 
-    command = "python " + " ".join(sys.argv)
+    command = reproducing_command(sys.argv, dict(os.environ))  # with the launcher's flags
     primary = jax.process_index() == 0
     if primary:
         print(command, flush=True)

@@ -5,7 +5,8 @@ r"""Runs a command as N JAX processes on this machine (coordinator on localhost)
 
 Each process gets `TLT_COORDINATOR`, `TLT_NUM_PROCESSES` and `TLT_PROCESS_ID`, which
 `tlt_jax.parallel.distributed.initialize_from_env` hands to `jax.distributed.initialize` (gloo
-collectives on CPU). `--pin_cores` pins process i to core i (`os.sched_setaffinity`), so on a
+collectives on CPU), and `TLT_LAUNCHER`, this launcher's own command line (a benchmark records
+it with its command, so the command reproduces the run). `--pin_cores` pins process i to core i (`os.sched_setaffinity`), so on a
 2-core CPU an idle process's core is physically idle. On a cluster, start the same command once
 per host with the same variables instead (process ids 0..N-1, the coordinator's host:port).
 
@@ -68,9 +69,12 @@ def main(argv):
         raise app.UsageError(f"--pin_cores with --num_processes={FLAGS.num_processes}: only "
                              f"{len(cores)} cores are available ({cores})")  # fmt: skip
     address = f"localhost:{FLAGS.port or _free_port()}"
+    # How the processes were started, for a command a process records (`bench_spot.py`).
+    launcher = (f"python scripts/launch_local.py --num_processes={FLAGS.num_processes}"
+                + (" --pin_cores" if FLAGS.pin_cores else ""))  # fmt: skip
     procs, relays = [], []
     for i in range(FLAGS.num_processes):
-        env = dict(os.environ, TLT_COORDINATOR=address,
+        env = dict(os.environ, TLT_COORDINATOR=address, TLT_LAUNCHER=launcher,
                    TLT_NUM_PROCESSES=str(FLAGS.num_processes), TLT_PROCESS_ID=str(i))  # fmt: skip
         core = cores[i] if FLAGS.pin_cores else None
         preexec = (lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None

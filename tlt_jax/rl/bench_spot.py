@@ -22,6 +22,7 @@ drafter steps take compute from the straggler by construction.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import statistics
 import time
 from pathlib import Path
@@ -40,6 +41,18 @@ def bench_config(config: TrainConfig, slices: int) -> TrainConfig:
         spot=dataclasses.replace(config.spot, enabled=True, slices=slices),
         spec=dataclasses.replace(config.spec, mode="off"),
     )
+
+
+def reproducing_command(argv: list[str], env: dict[str, str]) -> str:
+    """The command line that reproduces this run: `python` + `argv`, under the launcher that
+    started the processes (`TLT_LAUNCHER`, set by `scripts/launch_local.py` with its flags),
+    or with the `XLA_FLAGS` a one-process run gets its two CPU devices from."""
+    command = "python " + " ".join(argv)
+    if env.get("TLT_LAUNCHER"):
+        return f"{env['TLT_LAUNCHER']} -- {command}"
+    if env.get("XLA_FLAGS"):
+        return f"XLA_FLAGS={shlex.quote(env['XLA_FLAGS'])} {command}"
+    return command
 
 
 def _spread(values: list[float]) -> dict[str, float]:
