@@ -89,6 +89,41 @@ def test_bench_fixed_eagle_keys_and_parity(aligned):
     assert set(breakdown["target_forward_ms_by_tokens"]) == {"1", "2", "4", "8", "16"}
 
 
+def test_plain_and_sd_runs_alternate_in_the_sweep_and_the_grid(aligned, monkeypatch):
+    """Each ratio's two sides run alternately on the same engine (a plain baseline timed once
+    before every SD point is exposed alone to a disturbance: BENCHMARKS.md discards two such
+    runs), and the grid compares each point with the plain runs beside it."""
+    model, drafter = aligned
+    prompts = random_prompts(2, model.config.vocab_size, seed=11)
+    sides, timed = [], bench.timed_generate
+
+    def spy(engine, requests):
+        sides.append(type(engine.step_policy).__name__)
+        return timed(engine, requests)
+
+    monkeypatch.setattr(bench, "timed_generate", spy)
+    choice = StepChoice(SpecStrategy(2, 2, 3), "eagle")
+    kv_len = bench.kv_length(prompts, 6)
+
+    def requests(count, new_tokens):
+        return [Request(tuple(p), new_tokens) for p in prompts[:count]]
+
+    sweep, _ = spec_bench.measure_sweep(model, drafter, requests, (2,), choice, None, kv_len,
+                                        repeats=2, new_tokens=6)  # fmt: skip
+    assert sweep["2"]["matches_plain"]
+    assert sides[:2] in (["PlainPolicy", "FixedPolicy"], ["FixedPolicy", "PlainPolicy"]), sides
+    # Some SD run comes before some plain run and vice versa: the sides interleave.
+    first = {k: sides.index(k) for k in ("PlainPolicy", "FixedPolicy")}
+    last = {k: len(sides) - 1 - sides[::-1].index(k) for k in first}
+    assert first["FixedPolicy"] < last["PlainPolicy"] and first["PlainPolicy"] < last["FixedPolicy"]
+    sides.clear()
+    engine = bench.make_engine(model, drafter, 1, kv_len, ngram=False)
+    groups = [[r] for r in requests(1, 6)]
+    _, grid = spec_bench.measure_grid(engine, groups, [choice], None, repeats=2)
+    (row,) = grid
+    assert row["matches_plain"] and "PlainPolicy" in sides[-4:] and "FixedPolicy" in sides[-4:]
+
+
 def test_bench_fixed_ngram_runs_without_a_drafter(aligned):
     model, _ = aligned
     prompts = random_prompts(2, model.config.vocab_size, seed=8)

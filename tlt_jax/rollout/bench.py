@@ -185,27 +185,55 @@ def run_point(engine, groups, choice: StepChoice | None, hot_ids, repeats: int) 
     requests finish at different steps runs its tail at smaller batch buckets, whose programs
     the first full-length run may compile (greedy runs repeat exactly, so the next does not).
     """
-    engine.step_policy = fixed_policy(choice)
-    engine.set_hot_token_ids(hot_ids)
-    best, clean, runs_done = None, 0, 0
-    while clean < repeats and runs_done < repeats + 1:
-        runs = [timed_generate(engine, group) for group in groups]
-        runs_done += 1
-        if any(r["compiled"] for r in runs):
-            continue
-        clean += 1
-        total = {key: sum(r[key] for r in runs)
-                 for key in ("decode_tokens", "decode_s", "tokens", "wall_s", "steps")}  # fmt: skip
-        if best is None or total["decode_s"] < best["decode_s"]:
-            best = dict(total, accepted=[n for r in runs for n in r["accepted"]],
-                        outputs=[r["outputs"] for r in runs])  # fmt: skip
-    if best is None:
-        raise RuntimeError(f"every timed run of {choice} compiled programs; see warm_up")
-    accepted = best.pop("accepted")
-    return dict(best, tokens_per_s=best["decode_tokens"] / best["decode_s"],
-                e2e_tokens_per_s=best["tokens"] / best["wall_s"],
-                accept_len=float(np.mean(accepted)) if accepted else None,
-                sd_steps=len(accepted), timed_runs=runs_done, clean_runs=clean)  # fmt: skip
+    return run_points(engine, groups, [(choice, hot_ids)], repeats)[0]
+
+
+def run_points(engine, groups, sides, repeats: int) -> list[dict]:
+    """`run_point` for several (choice, hot_ids) sides on one engine, their runs alternating
+    (the order reversed every round), so that a disturbance of the machine hits every side of
+    a ratio alike. Returns one `run_point` dict per side, in the order given."""
+    state = [{"best": None, "clean": 0, "runs": 0} for _ in sides]
+    hot_set: list = [object()]  # the ids last given to the engine (none yet)
+
+    def wanted(i):
+        return state[i]["clean"] < repeats and state[i]["runs"] < repeats + 1
+
+    round_ = 0
+    while any(wanted(i) for i in range(len(sides))):
+        order = range(len(sides)) if round_ % 2 == 0 else reversed(range(len(sides)))
+        round_ += 1
+        for i in order:
+            if not wanted(i):
+                continue
+            choice, hot_ids = sides[i]
+            engine.step_policy = fixed_policy(choice)
+            # Plain steps draft nothing: the SD side's ids stay, sliced once, not per run.
+            if choice is not None and hot_ids is not hot_set[0]:
+                engine.set_hot_token_ids(hot_ids)
+                hot_set[0] = hot_ids
+            runs = [timed_generate(engine, group) for group in groups]
+            side = state[i]
+            side["runs"] += 1
+            if any(r["compiled"] for r in runs):
+                continue
+            side["clean"] += 1
+            keys = ("decode_tokens", "decode_s", "tokens", "wall_s", "steps")
+            total = {key: sum(r[key] for r in runs) for key in keys}
+            if side["best"] is None or total["decode_s"] < side["best"]["decode_s"]:
+                side["best"] = dict(total, accepted=[n for r in runs for n in r["accepted"]],
+                                    outputs=[r["outputs"] for r in runs])  # fmt: skip
+    out = []
+    for (choice, _), side in zip(sides, state, strict=True):
+        best = side["best"]
+        if best is None:
+            raise RuntimeError(f"every timed run of {choice} compiled programs; see warm_up")
+        accepted = best.pop("accepted")
+        out.append(dict(best, tokens_per_s=best["decode_tokens"] / best["decode_s"],
+                        e2e_tokens_per_s=best["tokens"] / best["wall_s"],
+                        accept_len=float(np.mean(accepted)) if accepted else None,
+                        sd_steps=len(accepted), timed_runs=side["runs"],
+                        clean_runs=side["clean"]))  # fmt: skip
+    return out
 
 
 def compare(sd: dict, plain: dict) -> dict:

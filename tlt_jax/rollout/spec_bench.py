@@ -46,6 +46,7 @@ from tlt_jax.rollout.bench import (
     make_engine,
     require_prompts,
     run_point,
+    run_points,
     warm_up,
 )
 from tlt_jax.rollout.engine import DRAFTER_SYNC, Request
@@ -154,7 +155,9 @@ def measure_grid(engine, groups, choices, hot_ids, repeats: int, full_vocab: str
 
     def point(choice, hot):
         warm_up(engine, groups, choice, hot)
-        row = compare(run_point(engine, groups, choice, hot, repeats), plain)
+        # Against the plain runs alternating with this point's, not the plain point above.
+        plain_here, sd = run_points(engine, groups, [(None, None), (choice, hot)], repeats)
+        row = compare(sd, plain_here)
         s = choice.strategy
         most = min(s.depth, s.verify_tokens - 1) + 1  # the most tokens a step can emit
         row["max_speedup"] = most * row["plain_step_ms"] / row["step_ms"]
@@ -187,9 +190,8 @@ def measure_sweep(model, drafter, requests, batches, choice, hot_ids, kv_len: in
         group = [requests(batch, new_tokens)]
         engine = make_engine(model, drafter, batch, kv_len, ngram=choice.needs_ngram)
         warm_up(engine, group, choice, hot_ids)
-        plain = run_point(engine, group, None, None, repeats)
-        sweep[str(batch)] = row = compare(run_point(engine, group, choice, hot_ids, repeats),
-                                          plain)  # fmt: skip
+        plain, sd = run_points(engine, group, [(None, None), (choice, hot_ids)], repeats)
+        sweep[str(batch)] = row = compare(sd, plain)
         compile_s += engine.stats.compile_seconds
         log.info("batch %3d: plain %.1f tok/s, SD %.1f tok/s, speedup %.2f, accept %.2f", batch,
                  row["plain_tokens_per_s"], row["tokens_per_s"], row["speedup"],
