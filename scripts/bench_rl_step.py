@@ -12,7 +12,7 @@ Runs `--warmup` RL steps (compilation; not measured) and `--steps` measured step
 config's GRPO loop in a temporary workdir, then, side by side with the same engine, prompts
 and batch, plain decoding of exactly `max_new_tokens` per request (no stop token, hence no
 long tail). The JSON has `step_time_s`, the phase seconds and shares, `rollout_share`,
-`long_tail_share` (rollout time after 90% of requests finished), generated tokens/s in the
+`long_tail_share` (decode time with at most the SD threshold of requests running), generated tokens/s in the
 rollout and in plain decoding, the update's padding share and seconds per real token, and
 the command, model, batch and lengths.
 
