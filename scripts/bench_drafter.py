@@ -10,7 +10,7 @@ test, `train_drafter.py --unroll_steps`: N drafting levels per step). The policy
 come from the --model preset; its weights and the batch are random (a step's cost does not
 depend on their values). Steps alternate between the variants so that other load on the
 machine hits them alike; each figure is the median of --num_steps timed steps after one
-compile step.
+compile step, with the per-round ratios' spread.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ _WINDOW = flags.DEFINE_integer("window", 512, "Sample window (tokens).")
 _HOT_SIZES = flags.DEFINE_list("hot_sizes", ["2048", "8192"], "Hot-vocabulary sizes to time.")
 _UNROLL = flags.DEFINE_list("unroll_steps", ["3"], "Unrolled levels to time (first hot size).")
 _NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps per variant.")
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main(argv):
@@ -100,7 +104,14 @@ def main(argv):
         "cpu_count": os.cpu_count(),
         "tokens_per_step": _BATCH_ROWS.value * _ROW_LEN.value,
         "step_s": step_s,
+        "step_s_runs": times,  # every timed step, in the alternating rounds' order
         "speedup_vs_full": {name: step_s["full"] / s for name, s in step_s.items()},
+        # The spread: per round, the full step over the variant's step timed beside it.
+        "speedup_vs_full_spread": {
+            name: _spread([f / v for f, v in zip(times["full"], t, strict=True)])
+            for name, t in times.items()
+            if name != "full"
+        },  # fmt: skip
         "loadavg_1min": os.getloadavg()[0],
     }
     print(json.dumps(out, indent=2))
