@@ -12,9 +12,9 @@ Runs `--warmup` RL steps (compilation; not measured) and `--steps` measured step
 config's GRPO loop in a temporary workdir, then, side by side with the same engine, prompts
 and batch, plain decoding of exactly `max_new_tokens` per request (no stop token, hence no
 long tail). The JSON has `step_time_s`, the phase seconds and shares, `rollout_share`,
-`long_tail_share` (decode time with at most the SD threshold of requests running), generated tokens/s in the
-rollout and in plain decoding, the update's padding share and seconds per real token, and
-the command, model, batch and lengths.
+`long_tail_share` (decode time with at most the SD threshold of requests running),
+generated tokens/s in the rollout and in plain decoding, the update's padding share and
+seconds per real token, and the command, model, batch and lengths.
 
 With `--layouts`, it runs the same steps in each `rl.update_layout` instead, one trainer per
 layout in one process, alternating (`tlt_jax.rl.bench.bench_update_layouts`), and reports

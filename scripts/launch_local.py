@@ -6,9 +6,10 @@ r"""Runs a command as N JAX processes on this machine (coordinator on localhost)
 Each process gets `TLT_COORDINATOR`, `TLT_NUM_PROCESSES` and `TLT_PROCESS_ID`, which
 `tlt_jax.parallel.distributed.initialize_from_env` hands to `jax.distributed.initialize` (gloo
 collectives on CPU), and `TLT_LAUNCHER`, this launcher's own command line (a benchmark records
-it with its command, so the command reproduces the run). `--pin_cores` pins process i to core i (`os.sched_setaffinity`), so on a
-2-core CPU an idle process's core is physically idle. On a cluster, start the same command once
-per host with the same variables instead (process ids 0..N-1, the coordinator's host:port).
+it with its command, so the command reproduces the run). `--pin_cores` pins process i to core
+i (`os.sched_setaffinity`), so on a 2-core CPU an idle process's core is physically idle. On
+a cluster, start the same command once per host with the same variables instead (process ids
+0..N-1, the coordinator's host:port).
 
 Output lines are prefixed with the process id. When one process fails, the others are stopped
 and the launcher exits with the failing process's status.
