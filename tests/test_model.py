@@ -450,6 +450,21 @@ def test_sliding_window_is_refused(tmp_path, no_compiles):
         checkpoints.load_model(directory)
 
 
+def test_llama_attention_bias_is_refused(tmp_path, no_compiles):
+    """HF Llama's attention_bias also gives o_proj a bias, which the model has no place for:
+    loading such a checkpoint dropped it silently (logits off by ~3 at scale ~1)."""
+    directory = write_config(tmp_path / "m", attention_bias=True)
+    with pytest.raises(ValueError, match="o_proj a bias"):
+        checkpoints.load_model(directory)
+
+
+def test_qwen2_always_has_qkv_biases(tmp_path, no_compiles):
+    """HF Qwen2 builds q/k/v biases whatever config.json says, so the biases are read too."""
+    directory = write_config(tmp_path / "m", model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                             attention_bias=False)  # fmt: skip
+    assert checkpoints.load_config(directory).attention_bias
+
+
 def test_unknown_short_name(no_compiles):
     with pytest.raises(FileNotFoundError, match="smollm2-999m-instruct"):
         checkpoints.resolve_model_path("smollm2-999m-instruct")

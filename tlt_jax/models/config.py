@@ -82,6 +82,15 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        # The biases are HF's: Qwen2 always has q/k/v biases (no o bias); Llama's
+        # `attention_bias` gives q/k/v *and* o_proj a bias, and there is no o bias here.
+        if self.model_type == "qwen2" and not self.attention_bias:
+            raise ValueError("model_type='qwen2' has q/k/v biases: attention_bias must be True")
+        if self.model_type == "llama" and self.attention_bias:
+            raise ValueError(
+                "model_type='llama' with attention_bias=True is not supported: HF Llama's "
+                "attention_bias also gives o_proj a bias, which this model does not implement"
+            )
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(DTYPES)}")
@@ -202,7 +211,8 @@ def config_from_hf_dict(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         rope_scaling=rope,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        # HF Qwen2 always has q/k/v biases and ignores the key; HF Llama reads it.
+        attention_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
     )
     kwargs.update(overrides)
