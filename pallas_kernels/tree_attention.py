@@ -328,8 +328,9 @@ def _tree_attention_impl(
     # Out-of-range lengths mean "none" / "all", as in the reference; clipping keeps loads in bounds.
     cache_lens_B = jnp.clip(cache_lens_B.astype(jnp.int32), 0, cache_len)
 
-    # Pad the buffer to whole blocks. Only buffer lengths that are not a multiple pay for the copy.
-    padded_cache_len = _round_up(cache_len, block_kv)
+    # Pad the buffer to whole blocks (at least one: an empty buffer has no block to cut). Only
+    # buffer lengths that are not a positive multiple pay for the copy.
+    padded_cache_len = max(_round_up(cache_len, block_kv), block_kv)
     if padded_cache_len != cache_len:
         cache_pad = ((0, 0), (0, padded_cache_len - cache_len), (0, 0), (0, 0))
         k_cache_BxSxKxH = jnp.pad(k_cache_BxSxKxH, cache_pad)
