@@ -138,3 +138,18 @@ def test_programs_refuse_a_cache_of_another_size(model):
     with pytest.raises(ValueError, match="2 slots x 32 positions; this program runs 4 x 32"):
         engine_lib.decode_program(graphdef, params, layers, state, batch=4, kv_len=32,
                                   greedy_only=True)  # fmt: skip
+
+
+def test_pallas_cached_forward_with_query_chunk(model):
+    """`query_chunk` builds the causal mask by rows ([1, T, T]); the Pallas path read that as
+    the kernel's per-row mask and raised on a batch of 2."""
+    b, t, s = 2, 6, 8
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (b, t)), jnp.int32)
+    lens = jnp.array([3, 8], jnp.int32)
+    positions = lens[:, None] + jnp.arange(t)[None]
+    k, v = jax.random.normal(jax.random.key(0), (2, 2, b, s, 2, 16))
+    cache = KVCache(k=k, v=v)
+    want, _ = model(ids, positions, cache=cache, cache_lens_B=lens)
+    got, _ = model(ids, positions, cache=cache, cache_lens_B=lens, query_chunk=3,
+                   attention_impl="pallas")  # fmt: skip
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)

@@ -347,9 +347,12 @@ def attention(
             cache_k_BxSxKxH = jnp.transpose(cache_k_BxSxKxH, (0, 3, 1, 2))
             cache_v_BxSxKxH = jnp.transpose(cache_v_BxSxKxH, (0, 2, 1, 3))
 
+        # A mask built by rows (`CausalMask`, with `query_chunk`) is [1, T, T]; the kernel
+        # takes one [T, T] mask per row.
+        mask = jnp.broadcast_to(full_mask(mask_BxTxT, t), (q_BxTxNxH.shape[0], t, t))
         return tree_attention(
             q_BxTxNxH, cache_k_BxSxKxH, cache_v_BxSxKxH, cache_lens_B,
-            k_BxTxKxH, v_BxTxKxH, full_mask(mask_BxTxT, t),
+            k_BxTxKxH, v_BxTxKxH, mask,
         )  # fmt: skip
     chunk = math.gcd(t, query_chunk) if query_chunk else t
     if chunk >= t:
