@@ -149,12 +149,12 @@ class TestTreeAttention:
         assert_close(out, tree_attention_reference(*args, sm_scale=0.3), jnp.float32)
         assert_close(out, tree_attention(*inputs, sm_scale=0.3, interpret=interpret), jnp.float32)
 
-
     def test_empty_cache_buffer(self, interpret):
         """S = 0 (no cache at all): the tree tokens alone; was a TypeError from the block cut."""
         inputs = make_inputs(3, 2, 3, 4, 2, 16, 0, [0, 0], jnp.float32)
         out = tree_attention(*inputs, interpret=interpret)
         assert_close(out, tree_attention_reference(*inputs), jnp.float32)
+
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
 def test_platform_default_tiling_in_interpret_mode(platform):
