@@ -87,6 +87,9 @@ def test_bench_fixed_eagle_keys_and_parity(aligned):
     ):
         assert breakdown[key] > 0 or key == "sd_host_overhead_ms", key
     assert set(breakdown["target_forward_ms_by_tokens"]) == {"1", "2", "4", "8", "16"}
+    assert breakdown["break_even_accept_len_in_engine"] == pytest.approx(
+        breakdown["sd_step_in_engine_ms"] / breakdown["plain_step_in_engine_ms"]
+    )
 
 
 def test_plain_and_sd_runs_alternate_in_the_sweep_and_the_grid(aligned, monkeypatch):

@@ -267,7 +267,10 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
     engine does, and sliced in the draft step; tree, verify) and parts:
     one draft level's LM head (full and hot), acceptance, and the target forward (with logits)
     over 1 .. 16 new tokens (what a wider tree costs to verify). Host overhead = the engine's
-    SD step - its programs; `break_even_accept_len` = programs / the engine's plain step.
+    SD step - its programs; `break_even_accept_len` = programs / the engine's plain step (a
+    lower bound: each program's best time alone, without host work, over the engine's median
+    plain step with it); `break_even_accept_len_in_engine` = the engine's SD step / its plain
+    step, both means over their timed runs with host work.
     """
     import jax
     import jax.numpy as jnp
@@ -375,6 +378,8 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
     out["engine_hot_vocab"] = engine_hot_ids is not None
     out["sd_step_in_engine_ms"] = 1e3 * sd["decode_s"] / sd["steps"]
     out["sd_host_overhead_ms"] = out["sd_step_in_engine_ms"] - programs
+    out["break_even_accept_len_in_engine"] = (out["sd_step_in_engine_ms"]
+                                              / out["plain_step_in_engine_ms"])  # fmt: skip
     out["engine_accept_len"] = sd["accept_len"]
     out["engine_speedup"] = sd["tokens_per_s"] / plain["tokens_per_s"]
     return out
