@@ -140,9 +140,12 @@ def test_a_raising_implementation_is_recorded_and_the_run_goes_on():
         assert impls["raises"] == dict(status="error", error=error)
         assert impls["xla"]["status"] == "ok" and impls["xla"]["max_abs_diff"] == 0.0
         assert impls["off_by_one"]["max_abs_diff"] > 1e-3
+        assert impls["off_by_one"]["status"] == "mismatch"  # timed, but it counts toward no goal
         assert row["speedup_pallas_over_xla"] is None and row["best_cuda_path"] is None
         want = "error" if row["kernel"] == "tree" else "not_applicable"
         assert impls["tree_only"]["status"] == want
+    mismatches = result["summary"]["mismatches"]
+    assert {m["impl"] for m in mismatches} == {"off_by_one"} and len(mismatches) == 4
 
 
 def _attend(q_TxNxH, k_SxKxH, v_SxKxH, mask_TxS=None):
