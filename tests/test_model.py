@@ -470,7 +470,45 @@ def test_unknown_short_name(no_compiles):
         checkpoints.resolve_model_path("smollm2-999m-instruct")
 
 
-def test_shape_mismatch_between_config_and_weights(tiny, tmp_path, no_compiles):
+def test_missing_tensor_for_the_config(tiny, tmp_path, no_compiles):
     directory = tiny["qwen2_tied"][0]
     with pytest.raises(ValueError, match="lm_head.weight"):
         checkpoints.load_model(directory, tie_word_embeddings=False)
+
+
+def _copy_with(source, directory, **tensors):
+    """An HF directory: `source`'s config and weights, `tensors` added or replaced."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(source, directory)
+    weights = load_file(directory / "model.safetensors")
+    save_file({**weights, **tensors}, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def test_shape_mismatch_between_config_and_weights_names_the_tensor(tiny, tmp_path):
+    directory = tiny["llama_llama3_untied"][0]
+    config = checkpoints.load_config(directory)
+    # A larger vocabulary than the config's: slicing each shard out of it loaded a part of it.
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' gives parameter embed "
+                                         rf"shape \({config.vocab_size}, "):  # fmt: skip
+        checkpoints.load_model(directory, vocab_size=config.vocab_size - 8)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.\w+_proj.weight'.*intermediate_s"):
+        checkpoints.load_model(directory, intermediate_size=config.intermediate_size // 2)
+
+
+def test_a_tensor_the_model_would_not_read_is_refused(tiny, tmp_path, no_compiles):
+    # e.g. HF Llama's o_proj bias (attention_bias): dropping it would change the outputs.
+    base = tiny["llama_llama3_untied"][0]
+    width = checkpoints.load_config(base).hidden_size
+    bias = np.ones(width, np.float32)
+    directory = _copy_with(base, tmp_path / "m", **{"model.layers.0.self_attn.o_proj.bias": bias})
+    with pytest.raises(ValueError, match=r"would not read: \['model.layers.0.self_attn.o_proj"):
+        checkpoints.load_model(directory)
+    # Rotary tables some checkpoints store are recomputed, not refused.
+    inv_freq = np.ones(4, np.float32)
+    rotary = {"model.layers.0.self_attn.rotary_emb.inv_freq": inv_freq}
+    directory = _copy_with(base, tmp_path / "r", **rotary)
+    checkpoints.load_model(directory)

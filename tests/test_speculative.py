@@ -610,6 +610,8 @@ def test_hot_token_ids_rank_by_count():
     np.testing.assert_array_equal(counts, [0, 0, 2, 0, 3, 0, 0, 1])
     # 4 (3x), 2 (2x), 7 (1x), then unseen ids in id order.
     np.testing.assert_array_equal(hot_token_ids(counts, 5), [4, 2, 7, 0, 1])
+    # Ties go to the preferred ids first, in their order, then by id.
+    np.testing.assert_array_equal(hot_token_ids(counts, 6, prefer=[6, 2, 5, 6]), [4, 2, 7, 6, 5, 0])
     with pytest.raises(ValueError, match="size=9"):
         hot_token_ids(counts, 9)
     with pytest.raises(ValueError, match="outside"):

@@ -240,6 +240,26 @@ def test_online_drafter_drops_non_finite_steps_and_versions_on_publish():
     assert online.token_counts[online.hot_ids[0]] == online.token_counts.max()
 
 
+def test_online_hot_vocabulary_keeps_the_warm_ups_ids_the_counts_cannot_rank():
+    """The first publish ranks one step's counts: the slots they leave go to the hot set in
+    use (the warm-up's), not to ids 0, 1, 2, ..; the set survives a state round trip."""
+    config = spot.SpotConfig(row_len=64, window=64, warmup_steps=0).train_config()
+    online = OnlineDrafter(TINY, config, hot_vocab=16, seed=0)
+    warm = np.arange(200, 216, dtype=np.int32)[::-1]  # what rollout_slices sets from the warm-up
+    online.hot_ids = warm.copy()
+    tokens = np.full((1, 24), 7, np.int32)
+    tokens[0, 10:12] = 203  # counted twice, one of the warm-up's
+    mask = np.zeros((1, 24), bool)
+    mask[0, 8:] = True
+    online.add(tokens, np.zeros((1, 24, TINY.hidden_size), np.float32), mask, step=1)
+    online.publish()
+    np.testing.assert_array_equal(online.hot_ids[:2], [7, 203])
+    np.testing.assert_array_equal(online.hot_ids[2:], [w for w in warm if w != 203][:14])
+    restored = OnlineDrafter(TINY, config, hot_vocab=16, seed=0)
+    restored.load_state_dict(online.state_dict(), online.state)
+    np.testing.assert_array_equal(restored.hot_ids, online.hot_ids)
+
+
 SPOT = {"spec.mode": "adaptive", "spec.threshold": 8, "spec.warmup_steps": 1,
         "spec.bucket_bounds": (1, 2, 3), "spec.strategies": ("3,1,4", "2,1,3", "1,1,2"),
         "rollout.max_new_tokens": 16, "rollout.top_k": 1, "spot.slices": 2,

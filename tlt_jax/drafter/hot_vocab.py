@@ -43,15 +43,25 @@ def count_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> np.ndar
     return counts
 
 
-def hot_token_ids(counts_V: np.ndarray, size: int) -> np.ndarray:
-    """The `size` most frequent token ids (ties and unseen tokens by ascending id), int32 [U].
+def hot_token_ids(counts_V: np.ndarray, size: int, prefer: np.ndarray | None = None
+                  ) -> np.ndarray:  # fmt: skip
+    """The `size` most frequent token ids, int32 [U], most frequent first.
 
-    Ordered by frequency, most frequent first. `size` larger than the vocabulary raises.
+    Ties (unseen tokens among them) go to the ids of `prefer` first, in its order (e.g. the
+    hot set in use: a ranking from a few counts keeps it where the counts cannot tell), then
+    by ascending id. `size` larger than the vocabulary raises.
     """
     counts_V = np.asarray(counts_V)
-    if not isinstance(size, int | np.integer) or not 1 <= size <= counts_V.shape[0]:
-        raise ValueError(f"hot vocabulary size={size!r} must be in [1, {counts_V.shape[0]}]")
-    order = np.argsort(-counts_V, kind="stable")  # stable: equal counts keep id order
+    vocab = counts_V.shape[0]
+    if not isinstance(size, int | np.integer) or not 1 <= size <= vocab:
+        raise ValueError(f"hot vocabulary size={size!r} must be in [1, {vocab}]")
+    tiebreak_V = np.arange(vocab, dtype=np.int64) + vocab  # then by id
+    if prefer is not None and len(prefer):
+        prefer = np.asarray(prefer, np.int64)
+        # The first position of each preferred id (a later duplicate must not overwrite it).
+        first = np.unique(prefer, return_index=True)
+        tiebreak_V[first[0]] = first[1]
+    order = np.lexsort((tiebreak_V, -counts_V))  # by count, then the tiebreak
     return order[:size].astype(np.int32)
 
 

@@ -118,7 +118,11 @@ def eagle_loss(
 
     Returns:
       (loss, metrics) with metrics `loss`, `vloss`, `ploss`, `accuracy` (draft argmax ==
-      target argmax) and `tokens` (number of trained pairs), all float32 scalars.
+      target argmax, both over `head_DxV`'s columns: with a hot head, among the hot tokens,
+      which counts a position whose policy argmax is a cold token the drafter cannot propose
+      as agreeing when the hot argmaxes agree, so it overstates what drafts can accept by up to
+      the hot set's missing coverage) and `tokens` (number of trained pairs), all float32
+      scalars.
     """
     b, t, d = g_BxTxD.shape
     n = b * t

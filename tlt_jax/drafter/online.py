@@ -212,7 +212,9 @@ class OnlineDrafter:
                 self.version += 1
                 self._published_step = steps
             if self.hot_vocab and self.token_counts.any():
-                self.hot_ids = hot_token_ids(self.token_counts, self.hot_vocab)
+                # Tokens the counts do not rank yet keep the hot set in use (the warm-up's, at
+                # first), not the lowest ids.
+                self.hot_ids = hot_token_ids(self.token_counts, self.hot_vocab, self.hot_ids)
             window, self._window = self._window, []
         out: dict[str, Any] = {
             "drafter_version": self.version,
@@ -236,6 +238,7 @@ class OnlineDrafter:
             "published_step": self._published_step,
             "rng": self._rng.bit_generator.state,
             "token_counts": self.token_counts.tolist() if self.token_counts.any() else [],
+            "hot_ids": [] if self.hot_ids is None else self.hot_ids.tolist(),
         }
 
     def sync_dict(self) -> dict[str, Any]:
@@ -260,5 +263,7 @@ class OnlineDrafter:
         self._rng.bit_generator.state = state["rng"]
         if state["token_counts"]:
             self.token_counts = np.asarray(state["token_counts"], np.int64)
-            if self.hot_vocab:
-                self.hot_ids = hot_token_ids(self.token_counts, self.hot_vocab)
+        if self.hot_vocab and state.get("hot_ids"):
+            self.hot_ids = np.asarray(state["hot_ids"], np.int32)
+        elif self.hot_vocab and state["token_counts"]:  # a checkpoint from before hot_ids
+            self.hot_ids = hot_token_ids(self.token_counts, self.hot_vocab)

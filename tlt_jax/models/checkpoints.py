@@ -281,25 +281,44 @@ def load_config(name_or_path: str | os.PathLike, **overrides) -> ModelConfig:
 # ----------------------------------------------------------------------------- load
 
 
-def _param_reader(path: tuple, config: ModelConfig, source) -> Callable[[tuple], np.ndarray]:
-    """A function from a shard's index (tuple of slices) to that shard, in float32."""
+def _param_reader(path: tuple, config: ModelConfig, source,
+                  shape: tuple[int, ...]) -> Callable[[tuple], np.ndarray]:  # fmt: skip
+    """A function from a shard's index (tuple of slices) to that shard, in float32; each
+    checkpoint tensor is checked against the parameter's `shape` before it is sliced (a
+    slice of a larger tensor would load part of it without a word)."""
+
+    def checked(name: str, array: np.ndarray, want: tuple[int, ...]) -> np.ndarray:
+        if array.shape != tuple(want):
+            raise ValueError(
+                f"checkpoint tensor {name!r} gives parameter {'/'.join(map(str, path))} shape "
+                f"{array.shape}, the config expects {tuple(want)}: the config does not match the "
+                f"weights (vocab_size={config.vocab_size}, hidden_size={config.hidden_size}, "
+                f"num_heads={config.num_heads}, num_kv_heads={config.num_kv_heads}, "
+                f"head_dim={config.head_dim}, intermediate_size={config.intermediate_size})"
+            )
+        return array
+
     if path[0] == "layers":
         hf_suffix, transform = _LAYER_TENSORS[path[1]]
 
         def read(index: tuple) -> np.ndarray:
             layers = range(config.num_layers)[index[0]]
-            return np.stack([
-                transform(source.read(f"model.layers.{i}.{hf_suffix}"), config)[index[1:]]
-                for i in layers
-            ])  # fmt: skip
+            # One layer's whole tensor at a time: only the slices are kept.
+            return np.stack([layer(f"model.layers.{i}.{hf_suffix}", index[1:]) for i in layers])
+
+        def layer(name: str, index: tuple) -> np.ndarray:
+            return checked(name, transform(source.read(name), config), shape[1:])[index]
 
         return read
     if path == ("embed",):
-        return lambda index: source.read("model.embed_tokens.weight")[index]
+        name = "model.embed_tokens.weight"
+        return lambda index: checked(name, source.read(name), shape)[index]
     if path == ("final_norm",):
-        return lambda index: source.read("model.norm.weight")[index]
+        name = "model.norm.weight"
+        return lambda index: checked(name, source.read(name), shape)[index]
     if path == ("lm_head",):
-        return lambda index: source.read("lm_head.weight").T[index]
+        name = "lm_head.weight"
+        return lambda index: checked(name, source.read(name).T, shape)[index]
     raise KeyError(f"no checkpoint tensor for parameter {'/'.join(map(str, path))}")
 
 
@@ -333,9 +352,18 @@ def load_model(
         source = SafetensorsSource(path)
     if config_overrides:
         config = config.replace(**config_overrides)
-    missing = _expected_hf_names(config) - source.names()
+    expected = _expected_hf_names(config)
+    missing = expected - source.names()
     if missing:
         raise ValueError(f"checkpoint {path} lacks tensors {sorted(missing)[:5]} (and maybe more)")
+    # A tensor nothing reads is a part of the architecture this model lacks (e.g. an o_proj
+    # bias): refused, not dropped. Rotary tables are recomputed; a tied head may be stored.
+    unread = {n for n in source.names() - expected if not n.endswith("rotary_emb.inv_freq")
+              and not (n == "lm_head.weight" and config.tie_word_embeddings)}  # fmt: skip
+    if unread:
+        raise ValueError(f"checkpoint {path} has tensors this model would not read: "
+                         f"{sorted(unread)[:5]} (and maybe more); its config or architecture "
+                         "does not match the weights")  # fmt: skip
     if mesh is None:
         graphdef, abstract_state = transformer_lib.abstract_state(config)
         device_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -347,7 +375,7 @@ def load_model(
 
     def load_one(param_path, variable):
         value = variable.get_value()
-        read = _param_reader(param_path, config, source)
+        read = _param_reader(param_path, config, source, value.shape)
         sharding = flat_shardings[param_path]
         cache: dict[str, np.ndarray] = {}
 
