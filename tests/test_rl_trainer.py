@@ -649,6 +649,28 @@ def test_evaluate_run_scores_the_latest_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == files  # evaluation writes nothing
 
 
+def test_a_resumed_run_reuses_the_before_evaluation_only_under_the_same_eval_settings(
+        tmp_path):  # fmt: skip
+    """`eval_before.json` (the untrained policy's, which a resumed run cannot redo) is the
+    run's own only under the same eval settings: a run resumed with another
+    `eval.num_problems` reported a paired difference over other problems, or failed in its
+    report after training ("not the same problems")."""
+    from tlt_jax.rl.run import train_and_evaluate
+
+    def run(num_problems):
+        config = tiny_config(total_steps=1, plot_every=100,
+                             **{"eval.num_problems": num_problems})  # fmt: skip
+        return train_and_evaluate(config, tmp_path, progress=False)
+
+    first = run(4)
+    assert first["before"]["num_problems"] == 4 and first["paired"]["n"] == 4
+    same = run(4)  # resumed at step 1: nothing to train, the saved before-result is reused
+    assert same["before"] == first["before"] and same["paired"]["n"] == 4
+    other = run(2)
+    assert other["after"]["num_problems"] == 2
+    assert other["before"] is None and other["paired"] is None
+
+
 def test_kl_to_the_frozen_initial_policy(tmp_path):
     config = tiny_config(total_steps=2, **{"rl.kl_coef": 0.5})
     trainer = Trainer(config, tmp_path, progress=False)

@@ -40,17 +40,37 @@ def _eval_file(workdir: Path, tag: str) -> Path:
     return workdir / f"eval_{tag}.json"
 
 
-def _save_eval(workdir: Path, tag: str, result: evaluation.EvalResult, step: int) -> None:
-    _eval_file(workdir, tag).write_text(json.dumps({"step": step, **result.to_dict()}))
+def _eval_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """What decides which problems an evaluation scores and how: two results compare (the
+    paired difference) only when these are equal. As JSON reads them back."""
+    settings = {"data": cfg.to_dict()["data"], "num_problems": cfg.eval.num_problems,
+                "max_new_tokens": cfg.eval.max_new_tokens,
+                "max_prompt_len": cfg.rollout.max_prompt_len}  # fmt: skip
+    return json.loads(json.dumps(settings))
 
 
-def _load_eval(workdir: Path, tag: str) -> evaluation.EvalResult | None:
+def _save_eval(workdir: Path, tag: str, result: evaluation.EvalResult, step: int,
+               settings: dict[str, Any]) -> None:  # fmt: skip
+    _eval_file(workdir, tag).write_text(json.dumps({"step": step, "settings": settings,
+                                                    **result.to_dict()}))  # fmt: skip
+
+
+def _load_eval(workdir: Path, tag: str, settings: dict[str, Any]) -> evaluation.EvalResult | None:
+    """The saved result, or None when there is none or it was evaluated under other
+    `settings` (a run resumed with a changed `eval` or `data` group: its problems are not
+    this run's, and a paired difference with them would be wrong or fail)."""
     path = _eval_file(workdir, tag)
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
     data.pop("step", None)
-    return evaluation.EvalResult.from_dict(data)
+    saved = data.pop("settings", None)
+    result = evaluation.EvalResult.from_dict(data)
+    if saved is not None and saved != settings:
+        log.warning("%s was evaluated with other eval/data settings than this run's (%s, not "
+                    "%s); not reported", path, saved, settings)  # fmt: skip
+        return None
+    return result
 
 
 def _compile_summary(workdir: Path) -> str:
@@ -139,17 +159,18 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
     # Process 0 evaluates and reports (evaluation needs no other process); the others train.
     primary = trainer.group.is_primary
     try:
-        before = _load_eval(workdir, "before") if primary else None
+        settings = _eval_settings(cfg)
+        before = _load_eval(workdir, "before", settings) if primary else None
         if primary and before is None and cfg.eval.at_start and cfg.eval.num_problems:
             if trainer.step_count == 0:
                 before = trainer.evaluate()
-                _save_eval(workdir, "before", before, 0)
+                _save_eval(workdir, "before", before, 0, settings)
                 log.info("accuracy before training: %s", before.summary())
         trainer.train()
         after = None
         if primary and cfg.eval.at_end and cfg.eval.num_problems:
             after = trainer.evaluate()
-            _save_eval(workdir, "after", after, trainer.step_count)
+            _save_eval(workdir, "after", after, trainer.step_count, settings)
         plots = trainer.plot()
     finally:
         trainer.close()
@@ -166,7 +187,8 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
     if after is not None:
         lines.append(f"accuracy after  ({split} {cfg.data.eval_split}, greedy): "
                      f"{after.summary()}")  # fmt: skip
-    if before is not None and after is not None:
+    # (a result saved before its settings were: the same problems only if as many)
+    if before is not None and after is not None and before.num_problems == after.num_problems:
         paired = evaluation.paired_difference(before, after)
         lines.append(
             f"difference: {paired['diff']:+.3f} +- {paired['stderr']:.3f} (paired, same "
