@@ -260,6 +260,16 @@ def test_online_hot_vocabulary_keeps_the_warm_ups_ids_the_counts_cannot_rank():
     np.testing.assert_array_equal(restored.hot_ids, online.hot_ids)
 
 
+def test_params_synced_into_an_engine_never_share_the_train_states_buffers():
+    # On the sharding it already has, a plain device_put returned the same buffer, which the
+    # next update (donating the train state) deletes under the engine.
+    params = {"w": jnp.arange(8.0)}
+    placed = spot._like(params, params)
+    assert placed["w"].unsafe_buffer_pointer() != params["w"].unsafe_buffer_pointer()
+    jax.jit(lambda p: p, donate_argnums=0)(params)
+    np.testing.assert_array_equal(placed["w"], np.arange(8.0))
+
+
 SPOT = {"spec.mode": "adaptive", "spec.threshold": 8, "spec.warmup_steps": 1,
         "spec.bucket_bounds": (1, 2, 3), "spec.strategies": ("3,1,4", "2,1,3", "1,1,2"),
         "rollout.max_new_tokens": 16, "rollout.top_k": 1, "spot.slices": 2,

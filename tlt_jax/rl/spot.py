@@ -160,7 +160,8 @@ def build_slices(build_engine, model, devices_per_slice: Sequence[tuple[Any, ...
     slices = []
     for i, devices in enumerate(devices_per_slice):
         with jax.default_device(devices[0]):
-            replica = nnx.merge(graphdef, jax.device_put(params, devices[0]))
+            # Fresh buffers: on the device they are on, `params` would be aliased.
+            replica = nnx.merge(graphdef, jax.device_put(params, devices[0], may_alias=False))
             engine = build_engine(replica, first_pool if i == 0 else ProgramPool())
             slices.append(RolloutSlice(first_index + i, devices,
                                        place_engine(engine, devices[0])))  # fmt: skip
@@ -290,8 +291,10 @@ def processes_in_sync(group: ProcessGroup, step: int, *trees) -> bool:
 
 
 def _like(tree, like):
-    """`tree` placed with `like`'s shardings."""
-    return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like))
+    """`tree` placed with `like`'s shardings, in fresh buffers: a `device_put` onto the
+    sharding an array already has returns its buffer, and the train state it came from is
+    donated to the next update (an engine sharing it would read a deleted array)."""
+    return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, like), may_alias=False)
 
 
 def sync_policy(params, slices: Sequence[RolloutSlice]) -> None:
