@@ -84,6 +84,21 @@ def test_rollout_timeline_shades_sd_steps_and_keeps_the_timeline(tmp_path):
     assert greenish_pixels(paths[1]) > 2_000  # the tail's bands, far more than a legend patch
 
 
+def test_step_time_is_the_steps_wall_time_and_the_phases_add_up_to_it():
+    """Host work between the timed phases (prompt encoding, the micro-batch plan) counts in
+    `step_time`, as `time_host`: `step_time` was the sum of the phases alone."""
+    import time
+
+    timer = timing.PhaseTimer()
+    time.sleep(0.05)  # untimed host work
+    with timer.phase("rollout"):
+        time.sleep(0.02)
+    out = timer.metrics()
+    assert set(out) == {f"time_{p}" for p in timing.PHASES} | {"step_time"}
+    assert out["step_time"] >= 0.07 and out["time_host"] >= 0.05
+    assert out["step_time"] == pytest.approx(sum(out[f"time_{p}"] for p in timing.PHASES))
+
+
 def test_a_rollout_all_in_its_tail_has_a_share_of_exactly_one():
     """The durations' float sum can pass the last step's end by an ulp: the trainer test saw
     `long_tail_share` 1.0000000000000002 (this generator's 11th timeline does the same)."""

@@ -8,14 +8,18 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-PHASES = ("rollout", "reward", "logprob", "update", "sync")
+# `host`: the step's wall time outside the timed phases (encoding prompts, the micro-batch
+# plan, the metrics record), so that the phases add up to `step_time`.
+PHASES = ("rollout", "reward", "logprob", "update", "sync", "host")
 
 
 class PhaseTimer:
-    """Wall time per named phase of one step (callers block on device work inside a phase)."""
+    """Wall time per named phase of one step (callers block on device work inside a phase),
+    from the timer's creation (the step's start)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -26,9 +30,14 @@ class PhaseTimer:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
-        """`time_<phase>` for every phase in `PHASES` (0 when it did not run) and `step_time`."""
-        out = {f"time_{name}": self.seconds.get(name, 0.0) for name in PHASES}
-        out["step_time"] = sum(self.seconds.values())
+        """`time_<phase>` for every phase in `PHASES` (0 when it did not run), `time_host` the
+        rest of the wall time so far, and `step_time`, that wall time (the step's, when read
+        at its end)."""
+        wall = time.perf_counter() - self._start
+        timed = sum(self.seconds.values())
+        out = {f"time_{name}": self.seconds.get(name, 0.0) for name in PHASES if name != "host"}
+        out["time_host"] = max(wall - timed, 0.0)
+        out["step_time"] = max(wall, timed)
         return out
 
 

@@ -4,7 +4,7 @@
 its compiled programs, checkpoints and metrics. Every phase of a step is timed on its own
 (`time_rollout`, `time_reward`, `time_logprob`, `time_update`, `time_sync`), blocking on device
 work at its end, so later work (speculative rollouts, drafter spot training) can be measured
-against each phase.
+against each phase; `time_host` is the rest of the step's wall time (`step_time`).
 
 The policy's final-norm features of every sequence go to an optional `FeatureSink` (the
 drafter buffer) from the forward the step runs anyway: the update's own (the gradient program
