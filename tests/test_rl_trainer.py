@@ -636,17 +636,36 @@ def test_weight_sync_rejects_mismatched_weights(tmp_path):
     trainer.close()
 
 
-def test_evaluate_run_scores_the_latest_checkpoint(tmp_path):
+def test_evaluate_run_scores_the_latest_checkpoint(tmp_path, monkeypatch):
+    from tlt_jax.rl import evaluation
     from tlt_jax.rl.run import evaluate_run
 
-    Trainer(tiny_config(total_steps=2), tmp_path, progress=False).train()
+    # The weights each evaluation's engine holds (the tiny policy's greedy answers are the
+    # same before and after 2 steps, so the answers alone cannot tell).
+    weights, evaluate = [], evaluation.evaluate
+
+    def spy(engine, *args, **kwargs):
+        weights.append([np.asarray(x) for x in jax.tree.leaves(engine.params)])
+        return evaluate(engine, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", spy)
+    trainer = Trainer(tiny_config(total_steps=2, **{"eval.num_problems": 4}), tmp_path,
+                      progress=False)  # fmt: skip
+    trainer.train()
+    trained = trainer.evaluate()  # the trained weights, in the run's own engine
+    trainer.close()
     files = sorted(p.name for p in tmp_path.iterdir())
     step, result = evaluate_run(tiny_config(**{"eval.num_problems": 4}), tmp_path)
     assert step == 2 and result.num_problems == 4 and len(result.responses) == 4
-    assert 0.0 <= result.accuracy <= 1.0 and result.mean_length > 0
+    assert result.responses == trained.responses and result.correct == trained.correct
     step, _ = evaluate_run(tiny_config(**{"eval.num_problems": 2}), None)
     assert step == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == files  # evaluation writes nothing
+    # The checkpoint's weights are the trained ones; the untrained model's differ.
+    run_weights, from_checkpoint, untrained = weights
+    for a, b in zip(run_weights, from_checkpoint, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(run_weights, untrained, strict=True))
 
 
 def test_a_resumed_run_reuses_the_before_evaluation_only_under_the_same_eval_settings(
