@@ -211,3 +211,44 @@ def test_flash_attn_and_flashinfer_plumbing_against_documented_semantics(monkeyp
         else:
             assert row["impls"]["flash_attn"]["status"] == "not_applicable"
         assert row["best_cuda_path"] in ("flash_attn", "flashinfer")
+
+
+def test_json_is_on_disk_before_the_first_case_and_after_each_implementation(tmp_path):
+    """A run killed inside a case (e.g. a library compiling its kernels on first use) keeps
+    its settings and the implementations the case had measured: the file as each
+    implementation starts is recorded here."""
+    path = tmp_path / "k.json"
+    seen = []
+
+    def peek(inputs):
+        seen.append(json.loads(path.read_text()))
+        raise RuntimeError("stop")
+
+    implementations = [IMPLEMENTATIONS["xla"], kernel_bench.Implementation("peek", peek)]
+    kernel_bench.run("tiny", out_json=str(path), budget_s=0, dtype="float32",
+                     implementations=implementations, **TINY)  # fmt: skip
+    (first,) = seen
+    assert first["results"] == [] and not first["finished"]  # the header, before any row
+    progress = first["in_progress"]
+    assert progress["kernel"] == "tree" and progress["impls"]["xla"]["status"] == "ok"
+    final = json.loads(path.read_text())
+    assert "in_progress" not in final and len(final["results"]) == 1
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_flashinfer_without_its_prebuilt_kernels_is_unavailable_on_cuda(monkeypatch):
+    """flashinfer-python alone compiles its kernels on first use (minutes inside one case, past
+    the budget check); without flashinfer_jit_cache it is skipped unless opted in."""
+    from tlt_jax.kernel_bench import runner
+
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer_jit_cache", None)  # import raises
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv(runner.FLASHINFER_JIT_ENV, raising=False)
+    missing = runner._unavailable([IMPLEMENTATIONS["flashinfer"]])
+    assert "flashinfer_jit_cache" in missing["flashinfer"]
+    monkeypatch.setenv(runner.FLASHINFER_JIT_ENV, "1")
+    assert runner._unavailable([IMPLEMENTATIONS["flashinfer"]]) == {}
+    monkeypatch.delenv(runner.FLASHINFER_JIT_ENV)
+    monkeypatch.setitem(sys.modules, "flashinfer_jit_cache", types.ModuleType("cache"))
+    assert runner._unavailable([IMPLEMENTATIONS["flashinfer"]]) == {}

@@ -80,12 +80,21 @@ def _time(prepared: Prepared, num_runs: int, num_warmup: int) -> tuple[dict[str,
     return figures, out
 
 
-def _measure_case(inputs, implementations, unavailable, *, num_runs, num_warmup, hbm_gbps):
-    """Every implementation on one case; errors are recorded per implementation."""
+def _measure_case(
+    inputs, implementations, unavailable, *, num_runs, num_warmup, hbm_gbps, on_impl=None
+):
+    """Every implementation on one case; errors are recorded per implementation.
+
+    ``on_impl(impls)`` (optional) runs after each implementation with the figures so far, so
+    that a run killed inside a case (a library compiling kernels on first use, a hang) keeps
+    what the case measured before.
+    """
     case = inputs.case
     live_bytes = case.live_bytes(inputs.args[0].dtype.itemsize)
     impls, reference = {}, None
     for impl in implementations:
+        if on_impl is not None and impls:
+            on_impl(impls)
         if impl.name in unavailable:
             impls[impl.name] = dict(status="unavailable", reason=unavailable[impl.name])
             continue
@@ -189,6 +198,23 @@ def device_hbm_gbps(device_kind: str) -> float | None:
     return next((v for k, v in HBM_GBPS_BY_DEVICE_KIND.items() if k in device_kind), None)
 
 
+# flashinfer-python alone "compiles/downloads kernels on first use" (docs.flashinfer.ai,
+# Installation); its prebuilt kernels are the flashinfer-jit-cache package. A first call that
+# compiles runs inside a case, past any budget check, so without the cache it is skipped
+# unless this variable is set to 1.
+FLASHINFER_JIT_ENV = "TLT_BENCH_FLASHINFER_JIT"
+
+
+def _flashinfer_prebuilt() -> bool:
+    if os.environ.get(FLASHINFER_JIT_ENV) == "1":
+        return True
+    try:
+        importlib.import_module("flashinfer_jit_cache")
+    except Exception:
+        return False
+    return True
+
+
 def _unavailable(implementations: Sequence[Implementation]) -> dict[str, str]:
     missing = {}
     for impl in implementations:
@@ -203,6 +229,12 @@ def _unavailable(implementations: Sequence[Implementation]) -> dict[str, str]:
         if impl.cuda_path and not torch_cuda and jax.default_backend() != "cpu":
             # A CPU dry run of device-sized shapes would only spend the budget (e.g. on a TPU).
             missing[impl.name] = "torch has no CUDA device and JAX is not on CPU"
+        elif impl.requires == "flashinfer" and torch_cuda and not _flashinfer_prebuilt():
+            missing[impl.name] = (
+                "flashinfer_jit_cache does not import: flashinfer-python compiles (or downloads) "
+                f"its kernels on first use, minutes inside one case; {FLASHINFER_JIT_ENV}=1 runs "
+                "it anyway"
+            )
     return missing
 
 
@@ -239,7 +271,9 @@ def run(
 
     Args:
         shapes: ``tiny``, ``device`` or ``full`` (``shape_cases``); ``auto``: tiny on CPU.
-        out_json: written after every case, so an interrupted run keeps what it measured.
+        out_json: written before the first case and after every implementation of every case
+            (the case under way is ``in_progress``), so an interrupted run keeps what it
+            measured.
         budget_s: no case starts after this many seconds (the first always runs); the rest are
             counted in ``skipped_budget`` and ``truncated`` is set.
         max_bytes: cases whose inputs (``Case.input_bytes``) exceed it are skipped.
@@ -293,6 +327,14 @@ def run(
     print(f"{'kernel':<7}{'B':>4}{'T':>4}{'S':>7}"
           + "".join(f"{n:>{max(12, len(n) + 1)}}" for n in names)
           + f"{'pl/xla':>10}{'pl_hbm':>10}{'max_diff':>10}", flush=True)  # fmt: skip
+    _write(out_json, result)  # a run killed in its first case still leaves its settings
+
+    def in_progress(case, impls):
+        result["in_progress"] = dict(kernel=case.kernel, presets=list(case.presets),
+                                     batch=case.batch_size, tokens=case.num_tokens,
+                                     cache_len=case.cache_len, impls=impls)  # fmt: skip
+        _write(out_json, result)
+
     for index, case in enumerate(fitting):
         if index and time.perf_counter() - start >= budget_s:
             result.update(truncated=True, skipped_budget=len(fitting) - index)
@@ -302,7 +344,8 @@ def run(
                 case, jnp.dtype(dtype), interpret=interpret, block_sizes=block_sizes
             )
             row = _measure_case(inputs, implementations, unavailable, num_runs=num_runs,
-                                num_warmup=num_warmup, hbm_gbps=peak_gbps)  # fmt: skip
+                                num_warmup=num_warmup, hbm_gbps=peak_gbps,
+                                on_impl=functools.partial(in_progress, case))  # fmt: skip
             _print_row(row, names)
         except Exception as error:  # the inputs themselves failed (out of memory): keep going
             row = dict(kernel=case.kernel, presets=list(case.presets), batch=case.batch_size,
@@ -313,6 +356,7 @@ def run(
         inputs = None  # free this case's device memory before the next one
         if torch is not None and torch.cuda.is_available():
             torch.cuda.empty_cache()
+        result.pop("in_progress", None)
         result["results"].append(row)
         _write(out_json, result)
     result.update(finished=True, elapsed_s=time.perf_counter() - start)
@@ -350,6 +394,10 @@ def _print_summary(result: dict) -> None:
 
 
 def _write(path: str | None, result: dict) -> None:
+    """Whole or not at all (a temporary file renamed): a run killed while writing leaves the
+    last complete JSON, which the accelerator check reads after the kill."""
     if path:
-        with open(path, "w") as f:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(result, f, indent=2)
+        os.replace(tmp, path)
