@@ -12,6 +12,7 @@ On CPU the default is the tiny preset at batch 1-4 (seconds; it proves the scrip
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import sys
@@ -74,6 +75,21 @@ def main(argv):
         "peak_hbm_gbps": peak,
         "by_attention": {},
     }
+
+    def write() -> None:
+        if _OUTPUT_JSON.value:  # whole or not at all: the stage may be killed while writing
+            path = Path(_OUTPUT_JSON.value)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(result, indent=1))
+            tmp.replace(path)
+
+    def partial(impl: str, costs) -> None:
+        """After each batch: what the path measured so far (kept if a later batch is killed)."""
+        result["by_attention"][impl] = crossover.report(costs, config, peak_gbps=peak) | {
+            "partial": True
+        }
+        write()
+
     for impl in _ATTENTION.value:
         engine = RolloutEngine(model, EngineConfig(
             max_batch_size=max_batch, max_seq_len=prompt_len + _STEPS.value * verify + 8,
@@ -87,14 +103,16 @@ def main(argv):
                 prompt_len=prompt_len,
                 steps=_STEPS.value,
                 budget_s=_BUDGET_S.value or None,
+                on_batch=functools.partial(partial, impl),
             )
             out = crossover.report(costs, config, peak_gbps=peak)
         except Exception as error:  # one attention path failing keeps the other's figures
             out = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            if impl in result["by_attention"]:  # the batches measured before the error
+                out["measured"] = result["by_attention"][impl]
         result["by_attention"][impl] = out
         print(json.dumps({impl: out}, indent=1), flush=True)
-        if _OUTPUT_JSON.value:  # rewritten after every path: a timeout keeps what was measured
-            Path(_OUTPUT_JSON.value).write_text(json.dumps(result, indent=1))
+        write()  # rewritten after every path (and batch): a timeout keeps what was measured
         del engine
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -52,7 +52,8 @@ class StepCosts:
 
 def step_costs(engine, strategies: Sequence[str], batches: Sequence[int], *, prompt_len: int,
                steps: int = 8, temperature: float = 0.8, seed: int = 0,
-               budget_s: float | None = None) -> StepCosts:  # fmt: skip
+               budget_s: float | None = None,
+               on_batch: Callable[[StepCosts], None] | None = None) -> StepCosts:  # fmt: skip
     """Times plain and EAGLE SD steps of `strategies` at each batch (engine buckets).
 
     Args:
@@ -62,6 +63,8 @@ def step_costs(engine, strategies: Sequence[str], batches: Sequence[int], *, pro
       prompt_len / steps: context of the timed steps (prompt) and steps timed per point.
       temperature: sampling (RL samples; 0 is greedy).
       budget_s: stop before a new batch once this many seconds have passed (`truncated`).
+      on_batch: called with the costs so far after each batch (e.g. to write them, so that a
+        process killed in a later batch keeps the earlier ones).
     """
     for text in strategies:
         SpecStrategy.parse(text)  # a bad strategy fails before anything compiles
@@ -86,6 +89,9 @@ def step_costs(engine, strategies: Sequence[str], batches: Sequence[int], *, pro
                 for text in strategies:
                     choice = StepChoice(SpecStrategy.parse(text), "eagle")
                     costs.sd_ms[text][b] = step_ms(engine, FixedPolicy(choice), requests)
+                if on_batch is not None:
+                    costs.seconds = time.perf_counter() - start
+                    on_batch(costs)
     finally:
         engine.step_policy = saved
     costs.seconds = time.perf_counter() - start
