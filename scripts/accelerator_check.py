@@ -67,7 +67,10 @@ DRY_TREE_ATTENTION_TESTS = (
 def _stage_argv(name: str, out: Path, scratch: Path, budget: float, dry: bool) -> list[str]:
     py = sys.executable
     if name == "tree_attention_tests":
-        argv = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_tree_attention.py",
+        # On the device -v: each test's name and verdict is a line of the log as it finishes
+        # (the JUnit report is written only at the end, and a stage past its limit is killed).
+        argv = [py, "-m", "pytest", "-q" if dry else "-v", "-p", "no:cacheprovider",
+                "tests/test_tree_attention.py",
                 f"--junitxml={scratch / 'tree_attention_tests.xml'}"]  # fmt: skip
         # Dry: the plumbing only (the suite runs the whole file); interpret mode is slow, so
         # one interpreted kernel case and the cheap checks.
@@ -81,6 +84,12 @@ def _stage_argv(name: str, out: Path, scratch: Path, budget: float, dry: bool) -
                 f"--budget_s={max(budget / 2 - 40, 5):.0f}"]  # fmt: skip
         if dry:  # the tiny preset; Pallas in interpret mode is minutes, so XLA only
             argv += ["--attention_impls=xla", "--strategy=3,1,4", "--max_batch=2", "--steps=4"]
+        else:
+            # Every batch compiles its programs for the 28-layer model: plain prefill and
+            # decode plus draft, tree, verify and commit per strategy (14 s of XLA:CPU compile
+            # for one strategy at batch 1 on the CPU), so 9 batches x 3 strategies x 2 paths
+            # cannot fit; spread batches, one strategy, and each batch's figures are written.
+            argv += ["--strategy=3,1,4", "--max_batch=128", "--batches=1,128,16"]
         return argv
     if name == "rl_loop":
         argv = [py, "scripts/train.py", "--config=configs/tiny.py:tlt",
@@ -168,9 +177,13 @@ def _summary(name: str, out: Path, scratch: Path) -> dict:
     path = out / f"{name}.json"
     if not path.is_file():
         return {}
-    result = json.loads(path.read_text())
+    try:  # a stage killed while writing must not end the check (the later stages' figures)
+        result = json.loads(path.read_text())
+    except ValueError as error:
+        return {"error": f"{path.name} does not parse: {error}"}
     if name == "bench_kernels":
-        return {k: result.get(k) for k in ("summary", "truncated", "skipped_budget")}
+        keys = ("summary", "truncated", "skipped_budget", "in_progress")
+        return {k: result.get(k) for k in keys} | {"rows": len(result.get("results", []))}
     by_impl = result.get("by_attention", {})
     return {
         impl: {k: v for k, v in r.items() if k != "rows"}
@@ -204,17 +217,22 @@ def main(argv):
         log.flush()
 
     say(f"command: {command}")
-    probe = subprocess.run([sys.executable, "-c", "import jax; d = jax.devices()[0]; "
-                            "print(jax.__version__, jax.default_backend(), d.device_kind, "
-                            "len(jax.devices()))"], cwd=REPO, env=env, capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
-    report["platform"] = (probe.stdout or probe.stderr).strip().splitlines()[-1:]
+    try:  # a hung start-up must not end the check before its stages (each has a limit)
+        probe = subprocess.run([sys.executable, "-c", "import jax; d = jax.devices()[0]; "
+                                "print(jax.__version__, jax.default_backend(), d.device_kind, "
+                                "len(jax.devices()))"], cwd=REPO, env=env, capture_output=True,
+                               text=True, timeout=120)  # fmt: skip
+        report["platform"] = (probe.stdout or probe.stderr).strip().splitlines()[-1:]
+    except subprocess.TimeoutExpired:
+        report["platform"] = ["probe timed out after 120 s"]
     say(f"jax version, backend, device, count: {report['platform']}")
     total = sum(SHARES[s] for s in _STAGES.value)
     for name in _STAGES.value:
         budget = _BUDGET_S.value * SHARES[name] / total
         argv = _stage_argv(name, out, scratch, budget, dry)
         rc, seconds = _run(argv, out / f"{name}.log", budget, env)
+        for partial in out.glob("*.tmp"):  # a stage killed mid-write: the device returns 8 files
+            partial.unlink()
         status = "ok" if rc == 0 else "timeout" if rc is None else f"failed (rc {rc})"
         report["stages"][name] = {"status": status, "seconds": round(seconds, 1),
                                   "budget_s": round(budget), "log": f"{name}.log",

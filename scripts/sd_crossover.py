@@ -33,6 +33,9 @@ _STEPS = flags.DEFINE_integer("steps", 8, "Timed steps per point.")
 _ATTENTION = flags.DEFINE_list("attention_impls", ["xla", "pallas"],
                                "SD programs' attention, one engine each.")  # fmt: skip
 _HBM_GBPS = flags.DEFINE_float("hbm_gbps", 0.0, "Peak HBM GB/s (0: by device kind).")
+_BATCHES = flags.DEFINE_list("batches", [], "Batches timed, in this order (powers of two up "
+                             "to --max_batch; default: all of them, smallest first). Each "
+                             "batch compiles its own programs.")  # fmt: skip
 _BUDGET_S = flags.DEFINE_float("budget_s", 0.0, "Stop starting new batches after this (0: none).")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results.")
 
@@ -62,7 +65,10 @@ def main(argv):
           f"{preset} {_DTYPE.value} random init, context {prompt_len}", flush=True)  # fmt: skip
     model = init_model(config)
     drafter = init_drafter(config, seed=1)
-    batches = list(power_of_two_buckets(1, max_batch))
+    buckets = list(power_of_two_buckets(1, max_batch))
+    batches = [int(b) for b in _BATCHES.value] or buckets
+    if not set(batches) <= set(buckets):
+        raise app.UsageError(f"--batches {batches} must be among {buckets} (--max_batch)")
     verify = max(int(s.split(",")[2]) for s in _STRATEGIES.value)
     result = {
         "command": command,

@@ -37,3 +37,27 @@ def test_accelerator_check_dry_run(tmp_path):
     assert "sd_step_share" in rl["last_step"]
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8, files
+
+
+def _accelerator_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_accelerator_check", REPO / "scripts" / "accelerator_check.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_argv_and_a_half_written_json(tmp_path):
+    """The device run's stage arguments (what the dry run does not pass), and a stage JSON cut
+    short by the stage's kill: its summary says so and the check goes on."""
+    check = _accelerator_check()
+    tests = check._stage_argv("tree_attention_tests", tmp_path, tmp_path, 72.0, dry=False)
+    assert "-v" in tests and "-q" not in tests  # one line per test in the log as it finishes
+    crossover = check._stage_argv("sd_crossover", tmp_path, tmp_path, 154.0, dry=False)
+    assert "--batches=1,128,16" in crossover and "--max_batch=128" in crossover
+    (tmp_path / "bench_kernels.json").write_text('{"results": [{"kernel": "tr')
+    summary = check._summary("bench_kernels", tmp_path, tmp_path)
+    assert summary["error"].startswith("bench_kernels.json does not parse")
