@@ -32,7 +32,9 @@ TIMING = (
     "median_ms: median wall time of num_runs calls after num_warmup, each call synchronised "
     "(jax.block_until_ready / torch.cuda.synchronize); pipelined_ms: num_runs calls back to back, "
     "one synchronisation, mean; cuda_event_ms (torch on CUDA): median CUDA-event time of one "
-    "call; first_call_s includes compilation. GB/s and hbm_fraction use median_ms."
+    "call; first_call_s includes compilation. GB/s and hbm_fraction use median_ms, which holds "
+    "each call's dispatch and synchronisation; hbm_fraction_pipelined uses pipelined_ms. Inputs "
+    "that fit the L2 cache (50 MB on an H100) are re-read from it by repeated calls."
 )
 # Peak HBM bandwidth by a substring of jax's device_kind.
 HBM_GBPS_BY_DEVICE_KIND = {"H200": 4800.0, "H100": 3350.0, "TPU v5p": 2765.0}
