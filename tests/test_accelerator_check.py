@@ -56,6 +56,7 @@ def test_device_argv_and_a_half_written_json(tmp_path):
     check = _accelerator_check()
     tests = check._stage_argv("tree_attention_tests", tmp_path, tmp_path, 72.0, dry=False)
     assert "-v" in tests and "-q" not in tests  # one line per test in the log as it finishes
+    assert tests[-2:] == ["-k", "not True"]  # compiled kernels only (interpret=True ids)
     crossover = check._stage_argv("sd_crossover", tmp_path, tmp_path, 154.0, dry=False)
     assert "--batches=1,128,16" in crossover and "--max_batch=128" in crossover
     (tmp_path / "bench_kernels.json").write_text('{"results": [{"kernel": "tr')
