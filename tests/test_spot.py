@@ -240,6 +240,31 @@ def test_online_drafter_drops_non_finite_steps_and_versions_on_publish():
     assert online.token_counts[online.hot_ids[0]] == online.token_counts.max()
 
 
+def test_a_drafter_run_that_fails_midway_keeps_the_steps_it_applied():
+    """A train step that raises (a device error) after good steps: those steps stay applied
+    (they were discarded while their metrics stayed in the window, so `publish` reported
+    drafter steps and a loss for a version it never made) and the failed run is counted."""
+    config = spot.SpotConfig(row_len=64, window=64, warmup_steps=0).train_config()
+    online = OnlineDrafter(TINY, config, hot_vocab=16, seed=0)
+    model = init_model(TINY)
+    online.add(*_samples(np.random.default_rng(0), 4, TINY.hidden_size), step=1)
+    step, calls = online._train_step, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a device error in the third step")
+        return step(*args)
+
+    online._train_step = flaky
+    with pytest.raises(RuntimeError, match="third step"):
+        online.train_on(jax.devices()[1], model.embed.get_value(), model.head_weight_DxV(),
+                        threading.Event(), max_steps=5)  # fmt: skip
+    assert online.steps == 2 and online.failures == 1
+    metrics = online.publish()
+    assert metrics["drafter_version"] == 1 and metrics["drafter_steps"] == 2
+
+
 def test_online_hot_vocabulary_keeps_the_warm_ups_ids_the_counts_cannot_rank():
     """The first publish ranks one step's counts: the slots they leave go to the hot set in
     use (the warm-up's), not to ids 0, 1, 2, ..; the set survives a state round trip."""

@@ -173,27 +173,36 @@ class OnlineDrafter:
             if self.hot_ids is not None:  # the columns the engines draft with
                 head = jnp.take(head, jax.device_put(self.hot_ids, device), axis=1)
             done = 0
-            while not stop.is_set() and (max_steps == 0 or done < max_steps):
-                batch = self.buffer.sample_batch(self._rng, self.config.batch_rows,
-                                                 self.config.row_len)  # fmt: skip
-                if batch is None:
-                    break
-                start = time.perf_counter()
-                train_step = self._compiled.get(device, self._train_step)
-                new_state, metrics = train_step(state, jax.device_put(batch, device), embed, head)
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if on_step is not None:
-                    on_step(time.perf_counter() - start)
-                if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
-                    self.failures += 1
-                    log.warning("drafter step %d: non-finite loss %s / grad norm %s; dropped, "
-                                "keeping version %d", int(state.step), values["loss"],
-                                values["grad_norm"], self.version)  # fmt: skip
-                    break
-                state = new_state
-                self._window.append(values)
-                done += 1
-            self.state = state
+            try:
+                while not stop.is_set() and (max_steps == 0 or done < max_steps):
+                    batch = self.buffer.sample_batch(self._rng, self.config.batch_rows,
+                                                     self.config.row_len)  # fmt: skip
+                    if batch is None:
+                        break
+                    start = time.perf_counter()
+                    train_step = self._compiled.get(device, self._train_step)
+                    new_state, metrics = train_step(state, jax.device_put(batch, device), embed,
+                                                    head)  # fmt: skip
+                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    if on_step is not None:
+                        on_step(time.perf_counter() - start)
+                    if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
+                        self.failures += 1
+                        log.warning("drafter step %d: non-finite loss %s / grad norm %s; "
+                                    "dropped, keeping version %d", int(state.step),
+                                    values["loss"], values["grad_norm"],
+                                    self.version)  # fmt: skip
+                        break
+                    state = new_state
+                    self._window.append(values)
+                    done += 1
+            except Exception:
+                self.failures += 1  # a failed training run (the caller logs it)
+                raise
+            finally:
+                # The steps applied so far are kept (their metrics are in the window): a run
+                # that fails later does not discard them.
+                self.state = state
         return done
 
     # -- the step boundary -----------------------------------------------------------------
