@@ -285,6 +285,22 @@ def test_online_hot_vocabulary_keeps_the_warm_ups_ids_the_counts_cannot_rank():
     np.testing.assert_array_equal(restored.hot_ids, online.hot_ids)
 
 
+def test_idle_time_counts_from_when_the_last_process_started():
+    """Several processes: a slice that finished before a peer had started its rollout (the
+    peer still checkpointing the last step) waited for that peer, not for a straggler. By
+    hand: rollout 10 s, slices done at 1 s and 6 s, the peer started at 4 s, drafter steps
+    over [1.5, 3.5] and [4.5, 9.5]."""
+    from tlt_jax.parallel.scheduler import SpotReport
+
+    report = SpotReport(10.0, [1.0, 6.0], [], drafter_step_spans=[(1.5, 3.5), (4.5, 9.5)])
+    assert report.metrics()["spot_idle_slice_s"] == 9.0 + 4.0  # from each slice's end
+    report.window_start_s = 4.0
+    metrics = report.metrics()
+    assert metrics["spot_idle_slice_s"] == 6.0 + 4.0  # from 4 s for the first slice
+    assert metrics["spot_training_s"] == 5.0  # only [4.5, 9.5] is inside the window
+    assert metrics["spot_reclaimed_share"] == 0.5 and metrics["spot_window_start_s"] == 4.0
+
+
 def test_params_synced_into_an_engine_never_share_the_train_states_buffers():
     # On the sharding it already has, a plain device_put returned the same buffer, which the
     # next update (donating the train state) deletes under the engine.

@@ -99,17 +99,22 @@ class SpotReport:
     training_s: float = 0.0
     preemption_latency_s: float | None = None
     trainer_failures: int = 0
+    # Seconds from this process's start until the run's last process started its rollout
+    # (several processes: before it a peer was still in the previous step, checkpointing or
+    # plotting, and this process's finished slices waited for that, not for a straggler).
+    window_start_s: float = 0.0
 
     @property
     def idle_slice_s(self) -> float:
-        """Slice-seconds between a slice's last request and the rollout's end."""
-        return sum(self.rollout_s - t for t in self.finish_s)
+        """Slice-seconds between a slice's last request and the rollout's end, from when every
+        process's rollout had started."""
+        return sum(max(0.0, self.rollout_s - max(t, self.window_start_s)) for t in self.finish_s)
 
     def metrics(self) -> dict[str, Any]:
         idle = self.idle_slice_s
-        # Reclaimed: idle slice-seconds inside drafter steps (not their set-up, and not what a
-        # step ran past the rollout's end).
-        training = min(idle, sum(max(0.0, min(b, self.rollout_s) - a)
+        # Reclaimed: idle slice-seconds inside drafter steps (not their set-up, not what a
+        # step ran past the rollout's end or before every process had started it).
+        training = min(idle, sum(max(0.0, min(b, self.rollout_s) - max(a, self.window_start_s))
                                  for a, b in self.drafter_step_spans))  # fmt: skip
         out: dict[str, Any] = {
             "spot_slices": len(self.finish_s),
@@ -119,6 +124,7 @@ class SpotReport:
             "spot_drafter_steps": self.drafter_steps,
             "spot_trainer_failures": self.trainer_failures,
             "slice_finish_s": [round(t, 3) for t in self.finish_s],
+            "spot_window_start_s": self.window_start_s,
         }
         if self.drafter_step_s:
             out["spot_drafter_step_s"] = sum(self.drafter_step_s) / len(self.drafter_step_s)
@@ -168,6 +174,9 @@ class SpotScheduler:
             end = time.perf_counter() - start
             return [out], SpotReport(end, [end], [SliceEvent(0, "busy", 0.0, end)])
 
+        start_wall = time.time()  # comparable across processes (one host, or NTP's skew)
+        if multi:
+            group.set(f"start/{step}", start_wall)
         results: list[list[Completion] | None] = [None] * len(self.slices)
         errors: list[BaseException | None] = [None] * len(self.slices)
         finished: queue.Queue = queue.Queue()
@@ -237,6 +246,9 @@ class SpotScheduler:
                 if group.wait_for(f"done/{step}", p).get("failed") and p != group.index:
                     peers_failed.append(p)
         report.rollout_s = time.perf_counter() - start
+        if multi:  # idle time counts from when the run's last process started
+            last = max(group.wait_for(f"start/{step}", p) for p in range(group.count))
+            report.window_start_s = min(max(0.0, last - start_wall), report.rollout_s)
         stop.set()
         if (trainer is None and self.trainable is not None and self.trainable.exact_steps
                 and not any(e is not None for e in errors) and self.trainable.ready()
