@@ -159,7 +159,8 @@ class _Peers:
     count, index = 2, 0
 
     def __init__(self, peer_failed: bool):
-        self.values = {"done/0/1": {"failed": peer_failed}}
+        # (the peer started its rollout long before this one: no wait counts as idle)
+        self.values = {"done/0/1": {"failed": peer_failed}, "start/0/1": 0.0}
 
     def set(self, key, value):
         self.values[f"{key}/{self.index}"] = value
