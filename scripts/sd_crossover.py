@@ -16,7 +16,6 @@ import functools
 import json
 import shlex
 import sys
-from pathlib import Path
 
 import jax
 from absl import app, flags
@@ -44,6 +43,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from tlt_jax import programs
+    from tlt_jax.files import write_text_atomic
 
     programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     from tlt_jax.kernel_bench import device_hbm_gbps
@@ -84,10 +84,7 @@ def main(argv):
 
     def write() -> None:
         if _OUTPUT_JSON.value:  # whole or not at all: the stage may be killed while writing
-            path = Path(_OUTPUT_JSON.value)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(result, indent=1))
-            tmp.replace(path)
+            write_text_atomic(_OUTPUT_JSON.value, json.dumps(result, indent=1))
 
     def partial(impl: str, costs) -> None:
         """After each batch: what the path measured so far (kept if a later batch is killed)."""

@@ -46,6 +46,7 @@ from tlt_jax.drafter.trainer import (
     make_buffer,
     make_train_step,
 )
+from tlt_jax.files import write_text_atomic
 from tlt_jax.models.drafter import init_drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.optim import OptimConfig
@@ -338,14 +339,12 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
             seed=config.seed,
         )  # fmt: skip
         key = key or generation_key(model, config, stop_ids)
-        # Written aside and renamed: a kill mid-write leaves the old cache or none, not half.
-        cache_tmp = cache_path.with_suffix(".tmp")
-        cache_tmp.write_text("".join(
+        # Whole or not at all: a kill mid-write leaves the old cache or none, not half.
+        write_text_atomic(cache_path, "".join(
             json.dumps({"prompt_ids": p, "response_ids": r,
                         "max_new_tokens": config.max_new_tokens, "generation": key}) + "\n"
             for p, r in zip(prompt_ids, responses, strict=True)
         ))  # fmt: skip
-        os.replace(cache_tmp, cache_path)
     counts_V = count_tokens(responses, vocab_size)
     hot_ids = None
     if config.hot_vocab_size is not None:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.tree_attention import BlockSizes
+from tlt_jax.files import write_text_atomic
 from tlt_jax.kernel_bench.cases import (
     BYTES_FORMULA,
     GOALS,
@@ -404,7 +405,4 @@ def _write(path: str | None, result: dict) -> None:
     """Whole or not at all (a temporary file renamed): a run killed while writing leaves the
     last complete JSON, which the accelerator check reads after the kill."""
     if path:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(result, indent=2))

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax.files import write_text_atomic
 from tlt_jax.metrics import timing
 from tlt_jax.metrics.timing import PHASES
 
@@ -218,9 +219,7 @@ def save_timeline(timeline: Sequence[Sequence[Any]], threshold: int,
            **timing.tail_stats(timeline, threshold)}  # fmt: skip
     path_json = Path(path_json)
     path_json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path_json.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path_json)  # a reader never sees half a file
+    write_text_atomic(path_json, json.dumps(doc))  # a reader never sees half a file
     paths = [path_json]
     if plot:
         paths.append(plot_rollout_timeline(rows, threshold, path_json.with_suffix(".png"),

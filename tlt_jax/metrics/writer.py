@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax.files import write_text_atomic
+
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger(__name__)
 _TAG_INVALID = re.compile(r"[^-/\w.]")  # what tensorboardX's own tag cleaning replaces
@@ -135,9 +137,7 @@ class MetricsWriter:
 
     def truncate_after(self, step: int) -> None:
         kept = [r for r in read_metrics(self.workdir) if int(r.get("step", 0)) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self._purge_step = step + 1
         if self._tb is not None:  # already writing: the purge marker goes in a new event file
             self._tb.close()

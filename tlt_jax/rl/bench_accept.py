@@ -19,12 +19,13 @@ and the cold start passes the n-gram drafts within the run.
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from tlt_jax.metrics.writer import read_metrics
 
 VARIANTS = {
     "spot": ("--config.spot.enabled=True", "--config.spec.drafter={warm}"),
@@ -55,10 +56,7 @@ def train_argv(config: str, workdir: Path, variant: str, steps: int, warm: str |
 
 def read_steps(workdir: Path) -> list[dict]:
     """Per RL step, the `PER_STEP` metrics of a run's `metrics.jsonl` (missing ones None)."""
-    path = Path(workdir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_metrics(workdir)  # a torn last record (a killed run) is skipped
     by_step = {int(r["step"]): r for r in records if "time_rollout" in r}
     return [{"step": s, **{k: by_step[s].get(k) for k in PER_STEP}} for s in sorted(by_step)]
 

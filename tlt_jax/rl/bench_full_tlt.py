@@ -23,13 +23,14 @@ differ between the sides; `rollout_per_token_speedup` does not depend on them.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from tlt_jax.metrics.writer import read_metrics
 
 SIDES = {
     "plain": ("--config.spec.mode=off", "--config.spot.enabled=False"),
@@ -73,10 +74,7 @@ def run_argv(config: str, workdir: Path, side: str, steps: int, warm: str | None
 
 def read_steps(workdir: Path) -> list[dict]:
     """Per RL step, the `PER_STEP` metrics of a run's `metrics.jsonl` (missing ones None)."""
-    path = Path(workdir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_metrics(workdir)  # a torn last record (a killed run) is skipped
     by_step = {int(r["step"]): r for r in records if "step_time" in r}
     return [{"step": s, **{k: by_step[s].get(k) for k in PER_STEP}} for s in sorted(by_step)]
 

@@ -1023,13 +1023,14 @@ class RolloutEngine:
             # the requests it ends by length are gone (the synchronous engine chooses there: a
             # plain step dispatched ahead would decide positions its SD step decides, and
             # sampled tokens would differ), and when it is every running request's last.
-            staying = sum(not _ends_at_next_token(r) for r in running)
-            if pending is not None and (staying == 0 or policy.may_speculate(len(running))
-                                        or policy.may_speculate(staying)):  # fmt: skip
-                read(pending)
-                pending = None
-                if not running:
-                    continue
+            if pending is not None:
+                staying = sum(not _ends_at_next_token(r) for r in running)
+                if (staying == 0 or policy.may_speculate(len(running))
+                        or policy.may_speculate(staying)):  # fmt: skip
+                    read(pending)
+                    pending = None
+                    if not running:
+                        continue
             choice = policy.choose(len(running))
             if choice is not None and pending is not None:
                 raise RuntimeError(f"step policy {type(policy).__name__} chose {choice} at "
