@@ -92,6 +92,38 @@ def test_weighted_micro_batches_equal_one_batch(tiny, aggregation):
     assert float(optax_norm(whole["grads"])) > 0
 
 
+def test_bfloat16_gradients_are_summed_in_float32(tiny):
+    """Micro-batch gradients of bfloat16 params are summed in float32: the accumulated sum is
+    exactly the float32 sum of the micro-batches' own gradients (a bfloat16 sum rounds each
+    partial sum to 8 bits, so the update would depend on the micro-batch split), and the
+    update keeps the params' and optimizer state's bfloat16."""
+    _, graphdef, params = tiny
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    algorithm = AlgorithmConfig(loss_aggregation="token_mean")
+    advantages = [np.asarray([a, -0.5 * a], np.float32) for a in (-2.0, 0.7, 3.0, -1.3)]
+    batches = [_batch(PROMPTS[:1], RESPONSES[:2]) for _ in advantages]
+    # Every micro-batch gets the whole step's token weights, so each one's gradient computed
+    # alone is bit for bit the one the whole accumulation adds.
+    lengths = np.asarray([3, 1] * len(advantages))
+    each = [_accumulate(graphdef, params, [b], [a], algorithm, lengths=lengths)["grads"]
+            for b, a in zip(batches, advantages, strict=True)]  # fmt: skip
+    total = _accumulate(graphdef, params, batches, advantages, algorithm, lengths=lengths)
+    assert {g.dtype for g in jax.tree.leaves(total["grads"])} == {jnp.dtype(jnp.float32)}
+    expected = jax.tree.map(lambda *g: sum(x.astype(jnp.float32) for x in g), *each)
+    for a, b in zip(jax.tree.leaves(total["grads"]), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+    optimizer = step_lib.make_optimizer(OptimConfig(learning_rate=1e-2), 10)
+    schedule = step_lib.learning_rate_schedule(OptimConfig(learning_rate=1e-2), 10)
+    state = step_lib.init_train_state(jax.tree.map(jnp.copy, params), optimizer, 0)
+    new, metrics = step_lib.apply_program(state, total, optimizer=optimizer, schedule=schedule)
+    assert float(metrics["skipped"]) == 0.0
+    dtypes = lambda tree: jax.tree.map(lambda x: x.dtype, tree)  # noqa: E731
+    assert dtypes(new) == dtypes(state)
+    assert dtypes(step_lib.abstract_accumulator(params)) == dtypes(
+        step_lib.zero_accumulator(params)
+    )
+
+
 def test_on_policy_gradient_equals_the_recomputed_one_and_measures_the_sampler_gap(tiny):
     """`on_policy`: old log-probs are the current ones without gradient. The same loss and
     gradient as a recompute gives, the ratio exactly 1; `engine_gap` is the token mean of

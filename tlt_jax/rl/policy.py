@@ -388,7 +388,7 @@ def lower_grad_program(config: TrainConfig, plan: RunPlan, *, prompt_len: int,
                                        spec((rows, cols), jnp.bool_))  # fmt: skip
     inputs = step_lib.LossInputs(*[spec((rows, cols), jnp.float32)] * 6)
     accum = {name: spec((), jnp.float32) for name in step_lib.ACCUMULATED_METRICS}
-    accum["grads"] = params
+    accum["grads"] = step_lib.abstract_accumulator(params)["grads"]
     graphdef, _ = abstract_state(plan.model)
     fn = step_lib.partial_program(step_lib.grad_program, graphdef, algorithm=rl.algorithm,
                                   temperature=float(config.rollout.temperature),

@@ -397,9 +397,21 @@ def grad_program(graphdef, params, accum: dict, batch, inputs: LossInputs, *,
     return (out, hidden) if features else out
 
 
+def accumulator_dtype(dtype) -> jnp.dtype:
+    """The dtype gradients of `dtype` parameters are summed in: at least float32.
+
+    Summing micro-batch gradients in bfloat16 (the big presets' parameter dtype) rounds each
+    partial sum to 8 significant bits, so the update would depend on how the batch is split
+    into micro-batches; in float32 it does not, to float32 rounding. The sum is cast back to
+    the parameters' dtype for the optimizer, so the optimizer state keeps its dtype.
+    """
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def zero_accumulator(params) -> dict:
-    """A gradient accumulator of zeros shaped (and sharded) like `params`."""
-    out = {"grads": jax.tree.map(jnp.zeros_like, params)}
+    """A gradient accumulator of zeros shaped (and sharded) like `params`, in
+    `accumulator_dtype`."""
+    out = {"grads": jax.tree.map(lambda p: jnp.zeros_like(p, accumulator_dtype(p.dtype)), params)}
     out.update({name: jnp.zeros((), jnp.float32) for name in ACCUMULATED_METRICS})
     return out
 
@@ -413,8 +425,8 @@ def apply_program(state: TrainState, accum: dict, *, optimizer: optax.GradientTr
       gradient norm or the updated parameters were not finite, and the parameters and optimizer
       state were kept).
     """
-    grads = accum["grads"]
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.global_norm(accum["grads"])
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), accum["grads"], state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # Also checks the result: an overflowing update (or weights that are already broken while
@@ -529,7 +541,9 @@ def plan_micro_batches(has_signal: np.ndarray, group_size: int, micro_batch_size
 
 def abstract_accumulator(params) -> dict:
     """The accumulator's `ShapeDtypeStruct`s for `params` (for lowering, nothing allocated)."""
-    out = {"grads": abstract_like(params)}
+    out = {"grads": jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, accumulator_dtype(p.dtype), sharding=p.sharding),
+        abstract_like(params))}  # fmt: skip
     out.update({name: jax.ShapeDtypeStruct((), jnp.float32) for name in ACCUMULATED_METRICS})
     return out
 
