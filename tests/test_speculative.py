@@ -26,9 +26,10 @@ from tlt_jax.models.drafter import Drafter, drafter_forward, init_drafter
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import Transformer, init_model
 from tlt_jax.rollout import engine as engine_lib
+from tlt_jax.rollout import spec_engine as spec_engine_lib
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.acceptance import accept_tree
-from tlt_jax.rollout.adaptive import PlainPolicy
+from tlt_jax.rollout.adaptive import PlainPolicy, arm_name
 from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 from tlt_jax.rollout.sampling import SamplingParams, filtered_logits
 from tlt_jax.rollout.speculative import SpecStrategy
@@ -551,6 +552,71 @@ def test_engine_eager_drafter_sync_switches_for_free(engines, aligned):
     assert eager.stats.spec_switch_count == 0 and eager.stats.spec_steps > 0
     with pytest.raises(ValueError, match="drafter_sync='soon'"):
         EngineConfig(drafter_sync="soon")
+
+
+class _Rewards:
+    """Wraps a step policy; keeps every reward the engine reports: (arm, running, tokens,
+    seconds)."""
+
+    def __init__(self, inner):
+        self.inner, self.records = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def record(self, choice, num_running, emitted_tokens, seconds):
+        self.records.append((arm_name(choice), num_running, emitted_tokens, seconds))
+        self.inner.record(choice, num_running, emitted_tokens, seconds)
+
+
+class _FakeClock:
+    """The engine's `time`: every program run advances it by its kind's cost (default 1)."""
+
+    def __init__(self, costs: dict[str, float]):
+        self.now, self.costs = 0.0, costs
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def install(self, engine, monkeypatch) -> None:
+        program = engine._program
+
+        def timed(key, fn, *args, **kwargs):
+            compiled = program(key, fn, *args, **kwargs)
+
+            def run(*a):
+                out = compiled(*a)
+                self.now += self.costs.get(key[0], 1.0)
+                return out
+
+            return run
+
+        monkeypatch.setattr(engine_lib, "time", self)
+        monkeypatch.setattr(spec_engine_lib, "time", self)
+        monkeypatch.setattr(engine, "_program", timed)
+        monkeypatch.setattr(engine.spec, "_program", timed)
+
+
+def test_sd_rewards_leave_out_the_drafter_catch_up(engines, aligned, monkeypatch):
+    """The lazy drafter's catch-up is the deferred upkeep of the plain steps before it (eager
+    sync pays it inside them); it grows with how long they ran, so in the SD step's reward it
+    would rate the arm by the policy's history: the SD step that catches up reports the
+    seconds of its own programs, like every other."""
+    sd, _ = engines
+    engine = RolloutEngine(aligned[0], sd.config, drafter=aligned[1], pool=sd.pool)
+    engine.step_policy = _Rewards(engine.step_policy)
+    requests = _requests(random_prompts(2, aligned[0].config.vocab_size, seed=21), {})
+    engine.generate(requests)  # compiles what the pool lacks (a compiling step is no reward)
+    _FakeClock({"drafter_catchup": 100.0}).install(engine, monkeypatch)
+    engine.step_policy.records.clear()
+    before = dataclasses.replace(engine.stats)
+    engine.generate(requests)
+    assert engine.stats.compile_count == before.compile_count
+    assert engine.stats.spec_switch_count == before.spec_switch_count + 1
+    assert engine.stats.spec_switch_seconds - before.spec_switch_seconds == 100.0
+    sd_seconds = [s for arm, _, _, s in engine.step_policy.records if arm != "plain"]
+    assert len(sd_seconds) == engine.stats.spec_steps - before.spec_steps  # all rewarded
+    assert len(set(sd_seconds)) == 1, sd_seconds
 
 
 def test_engine_hot_vocab_matches_plain(engines, aligned):

@@ -4,8 +4,9 @@ A step policy is the engine's declared seam for speculative decoding. Before eve
 the engine asks `choose(num_running)` for a `StepChoice` (a draft source and a `SpecStrategy`)
 or None (plain decoding); after the step it reports `record(choice, num_running, emitted,
 seconds)`: the tokens the step emitted over the whole batch and the host time from dispatch to
-the read of its tokens. The engine reads every step's tokens anyway (stop detection), so this
-timing adds no device sync.
+the read of its tokens (less a lazy drafter's catch-up: the plain steps' deferred upkeep, not the
+SD arm's cost). The engine reads every step's tokens anyway (stop detection), so this timing
+adds no device sync.
 
 Policies:
 

@@ -1048,10 +1048,17 @@ class RolloutEngine:
                     read(pending)
                     pending = None
                 continue
-            compiled = self.stats.compile_count
+            compiled, catchup = self.stats.compile_count, self.stats.spec_switch_seconds
             dispatched = time.perf_counter()
             emitted = self._spec_step(running, choice)
-            settle(choice, len(running), emitted, dispatched, self.stats.compile_count != compiled)
+            # The drafter's catch-up (lazy sync) is no part of the arm's reward: it is the plain
+            # steps' deferred drafter upkeep (eager sync pays it in their step time) and grows
+            # with how many ran, so it would rate the SD arm by the policy's own history:
+            # counted in, with BENCHMARKS.md's batch-1 switch costs, a simulated bandit kept
+            # plain where SD ran 1.5x faster (a dominated arm is retried rarely, after ever
+            # longer plain runs, so ever dearer catch-ups).
+            began = dispatched + self.stats.spec_switch_seconds - catchup
+            settle(choice, len(running), emitted, began, self.stats.compile_count != compiled)
         if bar is not None:
             bar.close()
         return done  # type: ignore[return-value]
