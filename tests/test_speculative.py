@@ -619,6 +619,29 @@ def test_sd_rewards_leave_out_the_drafter_catch_up(engines, aligned, monkeypatch
     assert len(set(sd_seconds)) == 1, sd_seconds
 
 
+def test_rewards_count_the_tokens_a_step_emitted(engines, aligned):
+    """An SD step whose accepted run holds a request's stop token emits the run up to it; its
+    reward counts those tokens, not the dropped rest (plain steps count only what they emit
+    too, so the dropped tokens would favour SD at every request's end)."""
+    sd, _ = engines
+    engine = RolloutEngine(aligned[0], sd.config, drafter=aligned[1], pool=sd.pool)
+    engine.step_policy = _Rewards(engine.step_policy)
+    prompts = random_prompts(2, aligned[0].config.vocab_size, seed=21)
+    full = engine.generate(_requests(prompts, {}))[1]
+    tokens = full.token_ids
+    starts = 6 + np.cumsum([0] + full.accepted_lengths[:-1])  # first token of each SD step
+    j = next(int(s) for s, n in zip(starts, full.accepted_lengths, strict=True)
+             if n >= 2 and tokens[s] not in tokens[:s])  # fmt: skip
+    requests = _requests(prompts, {"stop_ids": (tokens[j],)})
+    engine.generate(requests)  # compiles what the pool lacks (a compiling step is no reward)
+    engine.step_policy.records.clear()
+    compiled = engine.stats.compile_count
+    got = engine.generate(requests)
+    assert engine.stats.compile_count == compiled and _trimmed(got[1]) >= 1
+    rewarded = sum(tokens for _, _, tokens, _ in engine.step_policy.records)
+    assert rewarded == sum(len(c.token_ids) - 1 for c in got)  # all but the prefill's tokens
+
+
 def test_engine_hot_vocab_matches_plain(engines, aligned):
     sd, plain = engines
     vocab = aligned[0].config.vocab_size

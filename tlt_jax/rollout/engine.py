@@ -1065,7 +1065,8 @@ class RolloutEngine:
 
     def _spec_step(self, running: list[_Running], choice: StepChoice) -> int:
         """One SD step; emits each request's accepted run (trimmed at its stop tokens and
-        `max_new_tokens`); returns the tokens the step produced before trimming."""
+        `max_new_tokens`); returns the tokens it emitted (the bandit's reward: a plain step's
+        counts only its emitted tokens too; the acceptance counters keep the untrimmed runs)."""
         self.state, result = self.spec.step(
             choice,
             self.params,
@@ -1075,15 +1076,17 @@ class RolloutEngine:
             self.state,
             running,
         )
+        emitted = 0
         for i, run in enumerate(running):
             count = int(result.counts[i])
             run.completion.accepted_lengths.append(count)
             for j in range(count):
                 self._emit(run, int(result.tokens[i, j]), float(result.logprobs[i, j]))
+                emitted += 1
                 if run.completion.finish_reason:
                     break  # the rest of the run is dropped with the finished request
             run.draft_len = run.cache_len
-        return int(result.counts[: len(running)].sum())
+        return emitted
 
     def _emit(self, run: _Running, token: int, logprob: float) -> None:
         comp = run.completion
