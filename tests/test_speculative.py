@@ -582,6 +582,8 @@ class _FakeClock:
         program = engine._program
 
         def timed(key, fn, *args, **kwargs):
+            if key not in engine.pool:
+                self.now += self.costs.get("compile", 0.0)
             compiled = program(key, fn, *args, **kwargs)
 
             def run(*a):
@@ -640,6 +642,21 @@ def test_rewards_count_the_tokens_a_step_emitted(engines, aligned):
     assert engine.stats.compile_count == compiled and _trimmed(got[1]) >= 1
     rewarded = sum(tokens for _, _, tokens, _ in engine.step_policy.records)
     assert rewarded == sum(len(c.token_ids) - 1 for c in got)  # all but the prefill's tokens
+
+
+def test_an_overlapped_plain_step_is_no_reward_when_the_next_step_compiled(aligned, monkeypatch):
+    """With `overlap_host`, a plain step is read after the next one is dispatched: programs
+    compiled for that one (a decode or cache resize at a new batch bucket, a slot move) fall
+    inside the read step's time, so it is no reward either."""
+    model, drafter = aligned
+    config = EngineConfig(max_batch_size=2, max_prefill_batch=2, max_seq_len=KV_LEN,
+                          min_kv_bucket=KV_LEN, overlap_host=True)  # fmt: skip
+    engine = RolloutEngine(model, config, drafter=drafter, step_policy=_Rewards(PlainPolicy()))
+    _FakeClock({"compile": 1000.0}).install(engine, monkeypatch)
+    engine.generate(_requests(random_prompts(2, model.config.vocab_size, seed=21), {}))
+    seconds = [s for _, _, _, s in engine.step_policy.records]
+    assert engine.stats.compile_count > 0 and len(seconds) > 30
+    assert max(seconds) < 1000, sorted(seconds)[-3:]
 
 
 def test_engine_hot_vocab_matches_plain(engines, aligned):

@@ -524,7 +524,7 @@ class _Pending:
     logprobs: jax.Array
     eager: bool  # it also extended the drafters
     dispatched: float
-    compiled: bool  # it compiled a program (no bandit reward)
+    compiles: int  # the engine's compile count before its dispatch
 
 
 @dataclasses.dataclass
@@ -872,7 +872,7 @@ class RolloutEngine:
         # the next SD step as in lazy mode).
         eager = (self.drafter_params is not None and cfg.drafter_sync == "eager"
                  and all(r.draft_len == r.cache_len for r in running))  # fmt: skip
-        compiled = self.stats.compile_count
+        compiles = self.stats.compile_count
         dispatched = time.perf_counter()
         key = ("decode", b, s, greedy, eager, filtering)
         if self._one_program(key):
@@ -900,8 +900,7 @@ class RolloutEngine:
             state, tokens, logprobs = program(*args)
             self.state = state.replace(cache=cache)
         self.stats.decode_steps += 1
-        return _Pending(list(running), tokens, logprobs, eager, dispatched,
-                        self.stats.compile_count != compiled)  # fmt: skip
+        return _Pending(list(running), tokens, logprobs, eager, dispatched, compiles)
 
     def _read_decode(self, step: _Pending) -> int:
         """Reads a plain step's tokens and emits them to the requests that were still running
@@ -985,9 +984,12 @@ class RolloutEngine:
             running = self._retire(running, done, now, bar)
 
         def read(step: _Pending) -> None:
-            # Its time starts when it was dispatched or when the step before it was read.
+            # Its time starts when it was dispatched or when the step before it was read, and
+            # ends now: it holds whatever compiled since its dispatch (overlapped: the next
+            # step's decode, cache resize or slot moves), so then it is no reward either.
             began = max(step.dispatched, last_read)
-            settle(None, len(step.running), self._read_decode(step), began, step.compiled)
+            compiled = self.stats.compile_count != step.compiles
+            settle(None, len(step.running), self._read_decode(step), began, compiled)
 
         while queue or running:
             # Admit queued requests into free slots, one prefill per group (no step is in
