@@ -144,6 +144,55 @@ def test_exact_steps_run_after_the_rollout_when_no_idle_window_held_them(two_sli
     assert [len(c.token_ids) for c in out[1]] == [12] * 2
 
 
+class _Straggler:
+    """An engine whose rollout ends `seconds` after its requests do."""
+
+    def __init__(self, engine, seconds: float):
+        self.engine, self.seconds = engine, seconds
+
+    def validate(self, requests):
+        self.engine.validate(requests)
+
+    def generate(self, *args, **kwargs):
+        out = self.engine.generate(*args, **kwargs)
+        time.sleep(self.seconds)
+        return out
+
+
+class _Steps(_Recorder):
+    """Runs the given steps (True: applied, False: dropped) and returns on its own."""
+
+    def __init__(self, applied: list[bool], seconds: float = 0.005):
+        super().__init__()
+        self.applied, self.seconds, self.stopped = applied, seconds, None
+
+    def train_on(self, slice_, stop: threading.Event, on_step) -> int:
+        for ok in self.applied:
+            start = time.perf_counter()
+            time.sleep(self.seconds)
+            on_step(time.perf_counter() - start, ok)
+        self.stopped = stop.is_set()
+        return sum(self.applied)
+
+
+def test_dropped_drafter_steps_are_not_reclaimed_idle_time(two_slices):
+    """Dropped (non-finite) steps leave the drafter as it was: they count apart, not as
+    reclaimed idle seconds (they did, the trainer reported every step it ran)."""
+    slices = [two_slices[0], RolloutSlice(1, two_slices[1].devices,
+                                          _Straggler(two_slices[1].engine, 0.5))]  # fmt: skip
+    trainable = _Steps([True, False, False, False, True], seconds=0.02)
+    _, report = SpotScheduler(slices, trainable).rollout([_requests(1, 2), _requests(1, 3)])
+    assert len(report.drafter_step_spans) == report.drafter_steps == 2
+    assert len(report.dropped_step_spans) == 3
+    m = report.metrics()
+    applied = sum(b - a for a, b in report.drafter_step_spans)
+    dropped = sum(b - a for a, b in report.dropped_step_spans)
+    assert m["spot_training_s"] == pytest.approx(applied) and applied < 0.1
+    assert m["spot_dropped_steps"] == 3 and m["spot_dropped_s"] == pytest.approx(dropped)
+    combined = spot.combine_rollout_stats([_stats(m), _stats(m)], sliced=True)
+    assert combined["spot_dropped_steps"] == 6 and combined["spot_drafter_steps"] == 4
+
+
 def test_a_failing_trainer_never_stops_the_rollout(two_slices):
     out, report = SpotScheduler(two_slices, _Recorder(fail=True)).rollout(
         [_requests(1, 2), _requests(4, 30)]
@@ -189,6 +238,14 @@ def test_a_slice_failing_on_another_process_stops_this_one_too(two_slices, peer_
         scheduler.rollout(requests, group=_Peers(True))
 
 
+def _stats(spot_metrics) -> dict:
+    """One process's `rollout_stats` around its spot metrics (no speculative decoding)."""
+    tail = {"timeline": [(1.0, 1)], "rollout_decode_s": 1.0, "long_tail_s": 0.0,
+            "sd_tail_s": 0.0}  # fmt: skip
+    spec = {"threshold": 0, "spec": 0, "plain": 1, "rows": {}, "tokens": {}, "choices": {}}
+    return {"tail": [tail], "spec": spec, "spot": spot_metrics}
+
+
 def test_slices_must_not_share_devices(two_slices):
     with pytest.raises(ValueError, match="share devices"):
         SpotScheduler([two_slices[0], RolloutSlice(1, two_slices[0].devices, None)])
@@ -227,12 +284,17 @@ def test_online_drafter_drops_non_finite_steps_and_versions_on_publish():
     rng = np.random.default_rng(0)
     before = jax.tree.map(np.asarray, online.params())
     online.add(*_samples(rng, 4, TINY.hidden_size, nan=True), step=1)
-    stop = threading.Event()
-    assert online.train_on(jax.devices()[1], embed, head, stop, max_steps=3) == 0
-    assert online.failures == 1
+    stop, calls = threading.Event(), []
+    # Every batch fails: the run ends after `max_consecutive_drops` in a row.
+    assert online.train_on(jax.devices()[1], embed, head, stop, max_steps=5,
+                           on_step=lambda s, ok: calls.append(ok),
+                           max_consecutive_drops=3) == 0  # fmt: skip
+    assert online.failures == 3 and calls == [False] * 3
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(online.params()), strict=True):
         np.testing.assert_array_equal(a, b)  # the last good state is kept
-    assert online.publish()["drafter_version"] == 0  # nothing new to publish
+    metrics = online.publish()
+    assert metrics["drafter_version"] == 0  # nothing new to publish
+    assert metrics["drafter_dropped_steps"] == 3 and metrics["drafter_steps"] == 0
     online.add(*_samples(rng, 4, TINY.hidden_size), step=3)  # step 1 leaves the window
     assert online.train_on(jax.devices()[1], embed, head, stop, max_steps=3) == 3
     assert jax.tree.leaves(online.params())[0].devices() == {jax.devices()[1]}
@@ -242,6 +304,29 @@ def test_online_drafter_drops_non_finite_steps_and_versions_on_publish():
     # The hot vocabulary follows the counted response tokens.
     assert online.hot_ids.shape == (16,)
     assert online.token_counts[online.hot_ids[0]] == online.token_counts.max()
+
+
+def test_one_bad_sample_costs_the_steps_that_draw_it_not_the_idle_window():
+    """One non-finite sample among good ones: the steps whose batch holds it are dropped and
+    the run goes on (it ended at the first, for every idle window of `buffer_steps` RL
+    steps); `on_step` says which steps were applied, and the window's metrics count both."""
+    config = spot.SpotConfig(row_len=64, window=64, warmup_steps=0, batch_rows=1).train_config()
+    online = OnlineDrafter(TINY, config, seed=0)
+    model = init_model(TINY)
+    rng = np.random.default_rng(0)
+    online.add(*_samples(rng, 1, TINY.hidden_size, nan=True), step=1)
+    online.add(*_samples(rng, 15, TINY.hidden_size), step=1)
+    calls = []
+    applied = online.train_on(jax.devices()[1], model.embed.get_value(),
+                              model.head_weight_DxV(), threading.Event(), max_steps=30,
+                              on_step=lambda s, ok: calls.append(ok))  # fmt: skip
+    dropped = calls.count(False)
+    assert applied == 30 == calls.count(True) == online.steps
+    assert dropped > 0 and online.failures == dropped  # the bad sample was drawn, and dropped
+    metrics = online.publish()
+    assert metrics["drafter_steps"] == 30 and metrics["drafter_dropped_steps"] == dropped
+    assert np.isfinite(metrics["drafter_loss"]) and metrics["drafter_version"] == 1
+    assert online.publish()["drafter_dropped_steps"] == 0  # per window
 
 
 def test_a_drafter_run_that_fails_midway_keeps_the_steps_it_applied():

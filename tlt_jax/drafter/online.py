@@ -11,8 +11,13 @@ version for every slice's engine (through the engine's checked `update_drafter_p
 There is one train state, never one per slice: a training run moves it onto the training
 slice's devices, and the engines only ever receive published copies, so replicas cannot drift.
 A step whose loss or gradient norm is not finite is dropped (the state before it is kept: the
-step does not donate its input), counted in `failures` and logged; the run goes on with the
-previous version.
+step does not donate its input), counted in `failures` and in `publish`'s `drafter_dropped_steps`,
+and logged; the run goes on with the next batch. One bad sample in the buffer (drawn at random)
+thus costs the steps that draw it, not the rest of every idle window for `buffer_steps` RL
+steps. `MAX_CONSECUTIVE_DROPS` dropped steps in a row end the run: random batches seldom fail
+that often in a row because of a few bad samples, so it means most of the buffer (or the
+drafter) is broken, and more steps would only be thrown away (in `exact_steps_per_rl_step`
+mode they would also add to the step time).
 
 The hot vocabulary (the draft head's columns) follows the tokens the policy generates: counts
 of every response token the sink sees; `publish` ranks them. Training uses the same columns,
@@ -47,6 +52,10 @@ log = logging.getLogger(__name__)
 
 # Metrics of one drafter step that are averaged into the step-boundary record.
 STEP_METRICS = ("loss", "vloss", "ploss", "accuracy", "grad_norm")
+# Non-finite drafter steps in a row that end a training run (see the module docstring): with
+# a share q of batches failing at random, a run ends early with probability about q**8 per
+# attempt (0.4 % at q = 0.5), while a broken buffer wastes at most 8 steps per idle window.
+MAX_CONSECUTIVE_DROPS = 8
 
 
 class OnlineDrafter:
@@ -91,6 +100,7 @@ class OnlineDrafter:
         self.hot_ids = np.arange(hot_vocab, dtype=np.int32) if hot_vocab else None
         self.version = 0  # published versions
         self.failures = 0  # dropped non-finite steps and failed training runs
+        self._dropped = 0  # dropped non-finite steps since publish
         self._published_step = 0
         self._lock = threading.Lock()
         self._window: list[dict[str, float]] = []  # metrics of the steps since publish
@@ -150,7 +160,8 @@ class OnlineDrafter:
         stop: threading.Event,
         *,
         max_steps: int = 0,
-        on_step: Callable[[float], None] | None = None,
+        on_step: Callable[[float, bool], None] | None = None,
+        max_consecutive_drops: int = MAX_CONSECUTIVE_DROPS,
     ) -> int:
         """Runs drafter steps on `devices` until `stop` is set (checked before every step).
 
@@ -159,12 +170,16 @@ class OnlineDrafter:
             and head are placed there, so no work lands on another slice's devices.
           embed_VxD / head_DxV: the policy's embedding and LM head (any device; copied).
           stop: the preemption signal.
-          max_steps: at most this many steps (0: until stopped or out of data).
-          on_step: called with each step's seconds after it finished.
+          max_steps: at most this many applied steps (0: until stopped or out of data).
+          on_step: called after each step with its seconds and whether it was applied (False:
+            dropped as non-finite), so the caller counts only applied steps as reclaimed.
+          max_consecutive_drops: this many dropped steps in a row end the run.
 
         Returns:
           The number of steps applied (dropped non-finite steps excluded).
         """
+        if max_consecutive_drops < 1:
+            raise ValueError(f"max_consecutive_drops={max_consecutive_drops} must be >= 1")
         device = devices[0] if isinstance(devices, (list, tuple)) else devices
         with self._lock:
             state = jax.device_put(self.state, device)
@@ -172,7 +187,7 @@ class OnlineDrafter:
             head = jax.device_put(head_DxV, device)
             if self.hot_ids is not None:  # the columns the engines draft with
                 head = jnp.take(head, jax.device_put(self.hot_ids, device), axis=1)
-            done = 0
+            done = dropped = in_a_row = 0
             try:
                 while not stop.is_set() and (max_steps == 0 or done < max_steps):
                     batch = self.buffer.sample_batch(self._rng, self.config.batch_rows,
@@ -184,15 +199,27 @@ class OnlineDrafter:
                     new_state, metrics = train_step(state, jax.device_put(batch, device), embed,
                                                     head)  # fmt: skip
                     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    seconds = time.perf_counter() - start
+                    applied = bool(np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"]))
                     if on_step is not None:
-                        on_step(time.perf_counter() - start)
-                    if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
+                        on_step(seconds, applied)
+                    if not applied:
                         self.failures += 1
-                        log.warning("drafter step %d: non-finite loss %s / grad norm %s; "
-                                    "dropped, keeping version %d", int(state.step),
-                                    values["loss"], values["grad_norm"],
-                                    self.version)  # fmt: skip
-                        break
+                        self._dropped += 1
+                        dropped += 1
+                        in_a_row += 1
+                        if dropped == 1:  # once per run (the count is in the publish metrics)
+                            log.warning("drafter step %d: non-finite loss %s / grad norm %s; "
+                                        "dropped, keeping version %d and going on with the "
+                                        "next batch", int(state.step), values["loss"],
+                                        values["grad_norm"], self.version)  # fmt: skip
+                        if in_a_row >= max_consecutive_drops:
+                            log.warning("%d drafter steps in a row were non-finite: ending this "
+                                        "training run (the buffer's recent samples or the "
+                                        "drafter look broken)", in_a_row)  # fmt: skip
+                            break
+                        continue
+                    in_a_row = 0
                     state = new_state
                     self._window.append(values)
                     done += 1
@@ -203,6 +230,9 @@ class OnlineDrafter:
                 # The steps applied so far are kept (their metrics are in the window): a run
                 # that fails later does not discard them.
                 self.state = state
+        if dropped > 1:
+            log.warning("%d of %d drafter steps in this run were non-finite and dropped",
+                        dropped, dropped + done)  # fmt: skip
         return done
 
     # -- the step boundary -----------------------------------------------------------------
@@ -211,8 +241,9 @@ class OnlineDrafter:
         """Ends the window: a new version when steps were taken since the last publish.
 
         Returns:
-          Metrics of the window: `drafter_version`, `drafter_steps` (this window),
-          `drafter_failures` (so far) and the mean `drafter_loss`, `drafter_accuracy` (top-1
+          Metrics of the window: `drafter_version`, `drafter_steps` (applied this window),
+          `drafter_dropped_steps` (non-finite, dropped this window), `drafter_failures` (so
+          far: dropped steps and failed runs) and the mean `drafter_loss`, `drafter_accuracy` (top-1
           agreement with the policy, over the hot vocabulary when there is one), ...
         """
         with self._lock:
@@ -225,9 +256,11 @@ class OnlineDrafter:
                 # first), not the lowest ids.
                 self.hot_ids = hot_token_ids(self.token_counts, self.hot_vocab, self.hot_ids)
             window, self._window = self._window, []
+            dropped, self._dropped = self._dropped, 0
         out: dict[str, Any] = {
             "drafter_version": self.version,
             "drafter_steps": len(window),
+            "drafter_dropped_steps": dropped,
             "drafter_failures": self.failures,
         }
         for name in STEP_METRICS:
@@ -254,7 +287,7 @@ class OnlineDrafter:
         """What another process needs to continue from this one's training (JSON): the
         counters, the sampling stream and the metrics of the steps since the last publish."""
         return {"failures": self.failures, "rng": self._rng.bit_generator.state,
-                "window": self._window}  # fmt: skip
+                "window": self._window, "dropped": self._dropped}  # fmt: skip
 
     def load_sync(self, train_state: DrafterTrainState, host: dict[str, Any]) -> None:
         """Takes over another process's training (`sync_dict`, its broadcast train state)."""
@@ -263,6 +296,7 @@ class OnlineDrafter:
             self.failures = int(host["failures"])
             self._rng.bit_generator.state = host["rng"]
             self._window = list(host["window"])
+            self._dropped = int(host["dropped"])
 
     def load_state_dict(self, state: dict[str, Any], train_state: DrafterTrainState) -> None:
         self.state = train_state

@@ -18,9 +18,11 @@ devices only.
 
 Preemption is cooperative: when the last slice finishes, the scheduler sets the trainer's stop
 event and waits; the trainer checks it between steps, so the latency is at most one drafter
-step (`SpotReport.preemption_latency_s` measures it). A trainer that raises is logged and
-counted (`trainer_failures`); the rollout is unaffected and the drafter keeps its last good
-state. An error in a decoding slice stops the trainer and is raised after every thread ended.
+step (`SpotReport.preemption_latency_s` measures it). The trainer reports each step's seconds
+and whether it was applied: only applied steps count as reclaimed idle time, dropped
+(non-finite) ones are counted apart. A trainer that raises is logged and counted
+(`trainer_failures`); the rollout is unaffected and the drafter keeps its last good state. An
+error in a decoding slice stops the trainer and is raised after every thread ended.
 """
 
 from __future__ import annotations
@@ -72,7 +74,11 @@ class SpotTrainable(Protocol):
 
     def ready(self) -> bool: ...
 
-    def train_on(self, slice_: RolloutSlice, stop: threading.Event, on_step) -> int: ...
+    def train_on(self, slice_: RolloutSlice, stop: threading.Event, on_step) -> int:
+        """Drafter steps on `slice_` until `stop` is set; calls `on_step(seconds, applied)`
+        after each step (`applied=False`: dropped, e.g. non-finite); returns the steps
+        applied."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +102,8 @@ class SpotReport:
     drafter_steps: int = 0
     drafter_step_s: list[float] = dataclasses.field(default_factory=list)
     drafter_step_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    # Steps the trainer ran and dropped (non-finite): no reclaimed time, no new drafter.
+    dropped_step_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     training_s: float = 0.0
     preemption_latency_s: float | None = None
     trainer_failures: int = 0
@@ -110,18 +118,26 @@ class SpotReport:
         process's rollout had started."""
         return sum(max(0.0, self.rollout_s - max(t, self.window_start_s)) for t in self.finish_s)
 
+    def _in_window(self, spans: Sequence[tuple[float, float]]) -> float:
+        """Seconds of `spans` inside the idle window (not what a step ran past the rollout's
+        end or before every process had started it), at most the idle slice-seconds."""
+        return min(self.idle_slice_s, sum(max(0.0, min(b, self.rollout_s)
+                                               - max(a, self.window_start_s))
+                                           for a, b in spans))  # fmt: skip
+
     def metrics(self) -> dict[str, Any]:
         idle = self.idle_slice_s
-        # Reclaimed: idle slice-seconds inside drafter steps (not their set-up, not what a
-        # step ran past the rollout's end or before every process had started it).
-        training = min(idle, sum(max(0.0, min(b, self.rollout_s) - max(a, self.window_start_s))
-                                 for a, b in self.drafter_step_spans))  # fmt: skip
+        # Reclaimed: idle slice-seconds inside applied drafter steps (not their set-up, not
+        # dropped steps, which leave the drafter as it was).
+        training = self._in_window(self.drafter_step_spans)
         out: dict[str, Any] = {
             "spot_slices": len(self.finish_s),
             "spot_idle_slice_s": idle,
             "spot_training_s": training,
             "spot_reclaimed_share": training / idle if idle > 0 else 0.0,
             "spot_drafter_steps": self.drafter_steps,
+            "spot_dropped_steps": len(self.dropped_step_spans),
+            "spot_dropped_s": self._in_window(self.dropped_step_spans),
             "spot_trainer_failures": self.trainer_failures,
             "slice_finish_s": [round(t, 3) for t in self.finish_s],
             "spot_window_start_s": self.window_start_s,
@@ -203,10 +219,13 @@ class SpotScheduler:
         trainer: threading.Thread | None = None
         train_span = [0.0, 0.0]
 
-        def on_step(seconds: float) -> None:
+        def on_step(seconds: float, applied: bool = True) -> None:
             end = time.perf_counter() - start
-            report.drafter_step_s.append(seconds)
-            report.drafter_step_spans.append((end - seconds, end))
+            if applied:
+                report.drafter_step_s.append(seconds)
+                report.drafter_step_spans.append((end - seconds, end))
+            else:
+                report.dropped_step_spans.append((end - seconds, end))
 
         def train(i: int) -> None:
             s = self.slices[i]

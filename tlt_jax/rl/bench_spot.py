@@ -101,6 +101,7 @@ def bench_spot(config: TrainConfig, workdir: str | Path, *, rounds: int = 3) -> 
             "reclaimed_idle_share": _spread([s["reclaimed"] for s in sides["on"]]),
             "idle_slice_s": _spread([s["idle_slice_s"] for s in sides["on"]]),
             "drafter_steps_per_round": steps,
+            "dropped_steps_per_round": [s["spot_dropped_steps"] for s in sides["on"]],
             "drafter_step_s": _spread([s["drafter_step_s"] for s in sides["on"]
                                        if s["drafter_step_s"]]) if any(steps) else None,
             "preemption_latency_s": _spread([s["preemption_latency_s"] for s in sides["on"]
@@ -126,6 +127,7 @@ def stats_sum(stats: list[dict[str, Any]]) -> dict[str, Any]:
         "idle_slice_s": idle,
         "reclaimed": training / idle if idle > 0 else 0.0,
         "spot_drafter_steps": sum(m["spot_drafter_steps"] for m in spots),
+        "spot_dropped_steps": sum(m["spot_dropped_steps"] for m in spots),
         "drafter_step_s": max(step_s) if step_s else None,
         "preemption_latency_s": max(latency) if latency else None,
     }
