@@ -111,6 +111,7 @@ def test_the_first_idle_slice_trains_until_the_last_one_finishes(two_slices):
     assert states >= {(0, "busy"), (0, "training"), (1, "busy")} and (1, "training") not in states
     m = report.metrics()
     assert 0 < m["spot_reclaimed_share"] <= 1 and m["spot_idle_slice_s"] > 0
+    assert m["spot_preempted_windows"] == 1 and m["spot_preemption_latency_s"] >= 0
     assert all(s.state == SliceState.IDLE for s in two_slices)
 
 
@@ -142,6 +143,9 @@ def test_exact_steps_run_after_the_rollout_when_no_idle_window_held_them(two_sli
     assert report.trainer_slice == 0  # the first slice to finish
     assert all(stopped for _, stopped in trainable.steps)  # after the rollout's end
     assert [len(c.token_ids) for c in out[1]] == [12] * 2
+    # Exact steps ignore the stop: whatever they run past the rollout is no preemption.
+    assert report.preemption_latency_s is None
+    assert report.metrics()["spot_preempted_windows"] == 0
 
 
 class _Straggler:
@@ -173,6 +177,22 @@ class _Steps(_Recorder):
             on_step(time.perf_counter() - start, ok)
         self.stopped = stop.is_set()
         return sum(self.applied)
+
+
+def test_a_trainer_that_stops_on_its_own_has_no_preemption_latency(two_slices):
+    """Out of data (or steps) 0.5 s before the rollout's end: nothing was preempted, so no
+    latency (it read 0.0, an instant preemption, and bench_spot took it as one)."""
+    slices = [two_slices[0], RolloutSlice(1, two_slices[1].devices,
+                                          _Straggler(two_slices[1].engine, 0.5))]  # fmt: skip
+    trainable = _Steps([True, True])
+    _, report = SpotScheduler(slices, trainable).rollout([_requests(1, 2), _requests(1, 3)])
+    assert report.drafter_steps == 2 and trainable.stopped is False
+    assert report.preemption_latency_s is None
+    m = report.metrics()
+    assert m["spot_preempted_windows"] == 0 and "spot_preemption_latency_s" not in m
+    combined = spot.combine_rollout_stats([_stats(m)], sliced=True)
+    assert combined["spot_preempted_windows"] == 0
+    assert "spot_preemption_latency_s" not in combined
 
 
 def test_dropped_drafter_steps_are_not_reclaimed_idle_time(two_slices):

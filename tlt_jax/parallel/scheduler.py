@@ -18,11 +18,13 @@ devices only.
 
 Preemption is cooperative: when the last slice finishes, the scheduler sets the trainer's stop
 event and waits; the trainer checks it between steps, so the latency is at most one drafter
-step (`SpotReport.preemption_latency_s` measures it). The trainer reports each step's seconds
-and whether it was applied: only applied steps count as reclaimed idle time, dropped
-(non-finite) ones are counted apart. A trainer that raises is logged and counted
-(`trainer_failures`); the rollout is unaffected and the drafter keeps its last good state. An
-error in a decoding slice stops the trainer and is raised after every thread ended.
+step (`SpotReport.preemption_latency_s` measures it, for a trainer still running at the
+rollout's end: one that stopped on its own, out of data or steps, was not preempted). The
+trainer reports each step's seconds and whether it was applied: only applied steps count as
+reclaimed idle time, dropped (non-finite) ones are counted apart. A trainer that raises is
+logged and counted (`trainer_failures`); the rollout is unaffected and the drafter keeps its
+last good state. An error in a decoding slice stops the trainer and is raised after every
+thread ended.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class SpotReport:
     # Steps the trainer ran and dropped (non-finite): no reclaimed time, no new drafter.
     dropped_step_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     training_s: float = 0.0
+    # Seconds from the rollout's end (the stop) until the trainer ended, when it was still
+    # running then; None when there was nothing to preempt (no trainer, one that had stopped
+    # on its own, or exact steps, which ignore the stop).
     preemption_latency_s: float | None = None
     trainer_failures: int = 0
     # Seconds from this process's start until the run's last process started its rollout
@@ -126,6 +131,9 @@ class SpotReport:
                                            for a, b in spans))  # fmt: skip
 
     def metrics(self) -> dict[str, Any]:
+        """The step record's spot fields. `spot_preemption_latency_s` is there only when a
+        trainer was preempted (`spot_preempted_windows` counts those): a trainer that stopped
+        on its own has no latency, and a 0 would read as an instant preemption."""
         idle = self.idle_slice_s
         # Reclaimed: idle slice-seconds inside applied drafter steps (not their set-up, not
         # dropped steps, which leave the drafter as it was).
@@ -138,6 +146,7 @@ class SpotReport:
             "spot_drafter_steps": self.drafter_steps,
             "spot_dropped_steps": len(self.dropped_step_spans),
             "spot_dropped_s": self._in_window(self.dropped_step_spans),
+            "spot_preempted_windows": int(self.preemption_latency_s is not None),
             "spot_trainer_failures": self.trainer_failures,
             "slice_finish_s": [round(t, 3) for t in self.finish_s],
             "spot_window_start_s": self.window_start_s,
@@ -268,6 +277,8 @@ class SpotScheduler:
         if multi:  # idle time counts from when the run's last process started
             last = max(group.wait_for(f"start/{step}", p) for p in range(group.count))
             report.window_start_s = min(max(0.0, last - start_wall), report.rollout_s)
+        # Preempted: a trainer still running when the stop comes, and one that heeds it.
+        preempted = trainer is not None and trainer.is_alive() and not self.trainable.exact_steps
         stop.set()
         if (trainer is None and self.trainable is not None and self.trainable.exact_steps
                 and not any(e is not None for e in errors) and self.trainable.ready()
@@ -281,7 +292,8 @@ class SpotScheduler:
             trainer.join()
             # Training inside the idle window; what ran past the rollout's end is the latency.
             report.training_s = max(0.0, min(train_span[1], report.rollout_s) - train_span[0])
-            report.preemption_latency_s = max(0.0, train_span[1] - report.rollout_s)
+            if preempted:
+                report.preemption_latency_s = max(0.0, train_span[1] - report.rollout_s)
         for t in threads:
             t.join()
         for s in self.slices:

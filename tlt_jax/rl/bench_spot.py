@@ -11,7 +11,9 @@ Figures:
 - `straggler_slowdown`: median straggler decode seconds (the slice that finishes last) with
   spot training on / off - 1, with every round's ratio; the goal is <= 0.02.
 - `reclaimed_idle_share`: idle slice-seconds spent inside drafter steps (goal >= 0.8).
-- `preemption_latency_s` against `drafter_step_s` (goal: at most one drafter step).
+- `preemption_latency_s` against `drafter_step_s` (goal: at most one drafter step), over the
+  rounds whose trainer was preempted (`preempted_windows_per_round`; a trainer that ran out of
+  data before the rollout's end has no latency); None when none was.
 - `tokens_identical`: both sides wrote the same tokens (spot training changes no rollout).
 
 On a CPU, run it as two processes pinned one per core (`scripts/launch_local.py
@@ -87,6 +89,8 @@ def bench_spot(config: TrainConfig, workdir: str | Path, *, rounds: int = 3) -> 
         on = [s["straggler_s"] for s in sides["on"]]
         ratios = [b / a - 1.0 for a, b in zip(off, on, strict=True)]
         steps = [s["spot_drafter_steps"] for s in sides["on"]]
+        latency = [s["preemption_latency_s"] for s in sides["on"]
+                   if s["preemption_latency_s"] is not None]  # fmt: skip
         lengths = [len(t) for t in tokens["off"]]
         result = {
             "processes": group.count,
@@ -102,11 +106,10 @@ def bench_spot(config: TrainConfig, workdir: str | Path, *, rounds: int = 3) -> 
             "idle_slice_s": _spread([s["idle_slice_s"] for s in sides["on"]]),
             "drafter_steps_per_round": steps,
             "dropped_steps_per_round": [s["spot_dropped_steps"] for s in sides["on"]],
+            "preempted_windows_per_round": [s["spot_preempted_windows"] for s in sides["on"]],
             "drafter_step_s": _spread([s["drafter_step_s"] for s in sides["on"]
                                        if s["drafter_step_s"]]) if any(steps) else None,
-            "preemption_latency_s": _spread([s["preemption_latency_s"] for s in sides["on"]
-                                             if s["preemption_latency_s"] is not None])
-            if any(steps) else None,
+            "preemption_latency_s": _spread(latency) if latency else None,
             "tokens_identical": tokens["on"] == tokens["off"],
             "devices": [str(d) for d in jax.local_devices()],
             "wall_s": time.perf_counter() - start,
@@ -128,6 +131,7 @@ def stats_sum(stats: list[dict[str, Any]]) -> dict[str, Any]:
         "reclaimed": training / idle if idle > 0 else 0.0,
         "spot_drafter_steps": sum(m["spot_drafter_steps"] for m in spots),
         "spot_dropped_steps": sum(m["spot_dropped_steps"] for m in spots),
+        "spot_preempted_windows": sum(m["spot_preempted_windows"] for m in spots),
         "drafter_step_s": max(step_s) if step_s else None,
         "preemption_latency_s": max(latency) if latency else None,
     }

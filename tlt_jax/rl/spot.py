@@ -218,7 +218,9 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
     slice holding no more requests than the threshold is in its own tail from its first step:
     that view is `slice_tail_share` / `slice_tail_s`, in slice-seconds, and `sd_tail_s` counts
     the slice-seconds of it that ran SD. SD shares and acceptance sum the processes' counters;
-    spot fields (when the run has slices) sum idle and training slice-seconds and the counts.
+    spot fields (when the run has slices) sum idle and training slice-seconds and the counts;
+    `spot_preemption_latency_s` is the largest of the preempted trainers' (absent when no
+    trainer was preempted: it had stopped on its own, or there was none).
     """
     tails = [t for s in stats for t in s["tail"]]
     threshold = int(stats[0]["spec"]["threshold"])
@@ -257,6 +259,7 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
             spot_drafter_steps=sum(m["spot_drafter_steps"] for m in spots),
             spot_dropped_steps=sum(m["spot_dropped_steps"] for m in spots),
             spot_dropped_s=sum(m["spot_dropped_s"] for m in spots),
+            spot_preempted_windows=sum(m["spot_preempted_windows"] for m in spots),
             spot_trainer_failures=sum(m["spot_trainer_failures"] for m in spots),
             slice_finish_s=[t for m in spots for t in m["slice_finish_s"]],
         )  # fmt: skip
