@@ -343,6 +343,10 @@ def test_one_bad_sample_costs_the_steps_that_draw_it_not_the_idle_window():
     dropped = calls.count(False)
     assert applied == 30 == calls.count(True) == online.steps
     assert dropped > 0 and online.failures == dropped  # the bad sample was drawn, and dropped
+    # Another process that takes over this training (sync_drafter_across) reports them too.
+    other = OnlineDrafter(TINY, config, seed=1)
+    other.load_sync(online.state, online.sync_dict())
+    assert other.publish()["drafter_dropped_steps"] == dropped
     metrics = online.publish()
     assert metrics["drafter_steps"] == 30 and metrics["drafter_dropped_steps"] == dropped
     assert np.isfinite(metrics["drafter_loss"]) and metrics["drafter_version"] == 1
