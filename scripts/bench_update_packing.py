@@ -5,12 +5,14 @@ r"""The packed update in steady state, rows sharing prompts (`rl.share_prompts`)
         --output_json /tmp/bench_update_packing.json
 
 Packs each step's responses both ways, compiles every micro-batch shape first, then times the
-gradient programs of each step's trained micro-batches, the two sides alternating step by
-step (`tlt_jax.rl.bench_packing`). Lengths: `--lengths_json` (a list of per-step lists, or a
-`scripts/bench_tlt.py` output, whose recorded response lengths it reads), else `--steps`
-long-tailed steps of the config's `prompts_per_step x group_size` responses (lognormal,
-`--p50`). What a run also pays, a compile the first time a row count appears, is left out:
-`scripts/bench_rl_step.py --rl_sides share_prompts=false,share_prompts=true` shows both.
+gradient programs of each step's trained micro-batches, the two sides back to back, the first
+of them alternating from repeat to repeat (`tlt_jax.rl.bench_packing.time_sides`); the off / on
+ratio comes with its spread over the `--repeats` passes. Lengths: `--lengths_json` (a list
+of per-step lists, or a `scripts/bench_tlt.py` output, whose recorded response lengths it
+reads), else `--steps` long-tailed steps of the config's `prompts_per_step x group_size`
+responses (lognormal, `--p50`). What a run also pays, a compile the first time a row count
+appears, is left out: `scripts/bench_rl_step.py --rl_sides
+share_prompts=false,share_prompts=true` shows both.
 """
 
 import json
@@ -33,7 +35,8 @@ flags.DEFINE_integer("steps", 4, "Synthetic steps (without --lengths_json).")
 flags.DEFINE_float("p50", 53.0, "Synthetic lengths' median (the main job's step 1: 52).")
 flags.DEFINE_integer("prompt_len", 55, "Tokens per prompt (the main job's: 40-64).")
 flags.DEFINE_float("signal_fraction", 1.0, "Share of groups the update trains.")
-flags.DEFINE_integer("repeats", 1, "Timed passes over the steps.")
+flags.DEFINE_integer("repeats", 3, "Timed passes over the steps (the ratio's spread is "
+                     "over them).")  # fmt: skip
 
 
 def main(argv):

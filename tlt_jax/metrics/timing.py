@@ -119,3 +119,19 @@ def length_stats(lengths: Sequence[int], prefix: str = "response_len") -> dict[s
         f"{prefix}_p90": float(np.percentile(values, 90)),
         f"{prefix}_max": float(values.max()),
     }
+
+
+def side_order(sides: Sequence, round_: int) -> list:
+    """The order `sides` run in round `round_` of a side-by-side benchmark: as given in even
+    rounds, reversed in odd ones. Whatever drifts between two back-to-back runs on a shared
+    machine (other jobs, clocks, caches, the allocator) then favours each side in as many
+    rounds as the other, and the per-round ratios' spread shows how much it moved them."""
+    return list(sides) if round_ % 2 == 0 else list(reversed(sides))
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Median, min, max and every value of a benchmark figure over its rounds."""
+    if not len(values):
+        raise ValueError("spread of no values: expected at least one round")
+    return {"median": float(np.median(values)), "min": float(np.min(values)),
+            "max": float(np.max(values)), "runs": [float(v) for v in values]}  # fmt: skip

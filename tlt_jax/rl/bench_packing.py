@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tlt_jax.metrics import timing
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rl import packing
 from tlt_jax.rl import step as step_lib
@@ -56,6 +57,34 @@ def as_train_config(config: Any) -> TrainConfig:
     return config if isinstance(config, TrainConfig) else TrainConfig.from_config_dict(config)
 
 
+def time_sides(run: Callable[[str, int], None], sides: Sequence[str], steps: int,
+               repeats: int, clock: Callable[[], float] = time.perf_counter
+               ) -> dict[str, list[list[float]]]:  # fmt: skip
+    """Seconds of `run(side, step)` (which blocks until its work is done) for every side, step
+    and repeat: `{side: [[seconds per repeat] per step]}`.
+
+    A step's sides run back to back, in `timing.side_order` of round `repeat + step`: every
+    step runs each side first in alternate repeats (and neighbouring steps start with other
+    sides), so neither side is always the one timed right after the other's work.
+    """
+    seconds: dict[str, list[list[float]]] = {name: [[] for _ in range(steps)] for name in sides}
+    for repeat in range(repeats):
+        for i in range(steps):
+            for name in timing.side_order(sides, repeat + i):
+                start = clock()
+                run(name, i)
+                seconds[name][i].append(clock() - start)
+    return seconds
+
+
+def repeat_ratios(seconds: dict[str, list[list[float]]], num: str, den: str) -> list[float]:
+    """Per repeat of `time_sides`' `seconds`, side `num`'s seconds over all steps over side
+    `den`'s: the whole-run ratio as each repeat measured it (its spread is the noise)."""
+    totals = {name: [sum(per_repeat) for per_repeat in zip(*seconds[name], strict=True)]
+              for name in (num, den)}  # fmt: skip
+    return [a / b for a, b in zip(totals[num], totals[den], strict=True)]
+
+
 def validate(config: Any, lengths: Sequence[Sequence[int]], prompt_len: int) -> None:
     """A clear error for inputs `bench_update_packing` cannot run, before anything compiles."""
     config = as_train_config(config)
@@ -88,12 +117,14 @@ def bench_update_packing(config: Any, lengths: Sequence[Sequence[int]], *, promp
       lengths: response lengths per step (a multiple of `rl.group_size` each, <= the cap).
       prompt_len: tokens of every prompt (<= `rollout.max_prompt_len`).
       signal_fraction: share of groups with advantage signal (the update trains those).
-      repeats: timed passes over the steps; sides alternate within each step.
+      repeats: timed passes over the steps (`time_sides`: which side of a step runs first
+        alternates from repeat to repeat).
       seed: of the tokens and of which groups have signal.
 
     Returns:
       Per side: rows and micro-batches per step, seconds per step (the median over repeats),
-      `update_padding_share` over all steps; per step and overall: off / on ratios.
+      `update_padding_share` over all steps; per step and overall: off / on ratios, and
+      the overall ratio's spread over the repeats (`ratio_off_over_on_spread`).
     """
     config = as_train_config(config)
     validate(config, lengths, prompt_len)
@@ -142,15 +173,14 @@ def bench_update_packing(config: Any, lengths: Sequence[Sequence[int]], *, promp
                 start = time.perf_counter()
                 compiled[key] = program.lower(params, accum, batch, inputs(batch)).compile()
                 compile_s += time.perf_counter() - start
-    seconds = {name: [[] for _ in lengths] for name in sides}
-    for _ in range(repeats):
-        for i in range(len(lengths)):
-            for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                start = time.perf_counter()
-                for batch in placed[name][i]:
-                    accum = compiled[batch.prefix_RxS.shape](params, accum, batch, inputs(batch))
-                jax.block_until_ready(accum)
-                seconds[name][i].append(time.perf_counter() - start)
+
+    def run_step(name, i):
+        nonlocal accum
+        for batch in placed[name][i]:
+            accum = compiled[batch.prefix_RxS.shape](params, accum, batch, inputs(batch))
+        jax.block_until_ready(accum)
+
+    seconds = time_sides(run_step, tuple(sides), len(lengths), repeats)
     median = {name: [float(np.median(s)) for s in per] for name, per in seconds.items()}
     result: dict[str, Any] = {
         "steps": len(lengths), "repeats": repeats, "prompt_len": prompt_len,
@@ -170,5 +200,6 @@ def bench_update_packing(config: Any, lengths: Sequence[Sequence[int]], *, promp
     ratios = [off / on for off, on in zip(median["off"], median["on"], strict=True)]
     result["ratio_off_over_on_per_step"] = [round(r, 3) for r in ratios]
     result["ratio_off_over_on"] = round(sum(median["off"]) / sum(median["on"]), 3)
+    result["ratio_off_over_on_spread"] = timing.spread(repeat_ratios(seconds, "off", "on"))
     result["rows_off_over_on"] = round(result["off"]["rows"] / result["on"]["rows"], 3)
     return result
