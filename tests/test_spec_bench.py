@@ -71,7 +71,8 @@ def test_bench_fixed_eagle_keys_and_parity(aligned):
     assert 0.0 < out["hot_vocab"]["coverage_of_plain_outputs"] <= 1.0
     assert out["crossover_batch"] in (None, 1, 2)
     switch = out["switch_cost"]["2"]
-    assert set(switch) == {"catchup", "plain_step_ms", "eager_plain_step_ms", "eager_overhead"}
+    assert set(switch) == {"catchup", "plain_step_ms", "eager_plain_step_ms", "eager_overhead",
+                           "eager_overhead_spread"}  # fmt: skip
     assert switch["catchup"]["3"]["catchup_tokens"] == 2 * 3  # 3 plain steps on 2 rows
     breakdown = out["step_breakdown_bs1"]
     for key in (
@@ -114,6 +115,7 @@ def test_plain_and_sd_runs_alternate_in_the_sweep_and_the_grid(aligned, monkeypa
     sweep, _ = spec_bench.measure_sweep(model, drafter, requests, (2,), choice, None, kv_len,
                                         repeats=2, new_tokens=6)  # fmt: skip
     assert sweep["2"]["matches_plain"]
+    assert len(sweep["2"]["speedup_spread"]["runs"]) >= 1
     assert sides[:2] in (["PlainPolicy", "FixedPolicy"], ["FixedPolicy", "PlainPolicy"]), sides
     # Some SD run comes before some plain run and vice versa: the sides interleave.
     first = {k: sides.index(k) for k in ("PlainPolicy", "FixedPolicy")}
@@ -125,6 +127,62 @@ def test_plain_and_sd_runs_alternate_in_the_sweep_and_the_grid(aligned, monkeypa
     _, grid = spec_bench.measure_grid(engine, groups, [choice], None, repeats=2)
     (row,) = grid
     assert row["matches_plain"] and "PlainPolicy" in sides[-4:] and "FixedPolicy" in sides[-4:]
+
+
+def test_round_ratios_pair_the_runs_of_one_round():
+    """A ratio's spread pairs each side's run with the other side's run of the same round;
+    a round that one side ran unclean (it compiled) pairs nothing."""
+
+    def run(decode_s):
+        return {"decode_tokens": 10, "decode_s": decode_s, "steps": 5}
+
+    sd = {"rounds": {0: run(1.0), 2: run(2.0), 3: run(1.0)}}
+    plain = {"rounds": {0: run(2.0), 1: run(9.0), 2: run(3.0), 3: run(4.0)}}
+    assert bench.round_ratios(sd, plain, bench.decode_tokens_per_s) == [2.0, 1.5, 4.0]
+    assert bench.round_ratios(sd, plain, bench.step_ms) == [0.5, 2.0 / 3.0, 0.25]
+    row = bench.compare(dict(run(1.0), **sd, outputs=[], accept_len=None, sd_steps=0,
+                             tokens_per_s=10.0, e2e_tokens_per_s=1.0, timed_runs=4,
+                             clean_runs=3),
+                        dict(run(2.0), **plain, outputs=[], tokens_per_s=5.0,
+                             e2e_tokens_per_s=1.0))  # fmt: skip
+    assert row["speedup_spread"] == {"median": 2.0, "min": 1.5, "max": 4.0,
+                                     "runs": [2.0, 1.5, 4.0]}  # fmt: skip
+    with pytest.raises(ValueError, match="2 engines for 1 sides"):
+        bench.run_points([object(), object()], [], [(None, None)], 1)
+
+
+def test_eager_and_lazy_plain_steps_alternate_in_the_switch_cost(aligned, monkeypatch):
+    """The eager-sync overhead is a ratio of two engines' plain steps: their runs interleave
+    (all of one engine's, then all of the other's, would put a drift of the machine between
+    the two sides), and the overhead comes with its spread over the rounds."""
+    model, drafter = aligned
+    prompts = random_prompts(2, model.config.vocab_size, seed=12)
+    runs, timed = [], bench.timed_generate
+
+    def spy(engine, requests):
+        runs.append((engine.config.drafter_sync, type(engine.step_policy).__name__))
+        return timed(engine, requests)
+
+    monkeypatch.setattr(bench, "timed_generate", spy)
+    choice = StepChoice(SpecStrategy(2, 2, 3), "eagle")
+
+    def requests(count, new_tokens):
+        return [Request(tuple(p), new_tokens) for p in prompts[:count]]
+
+    kv_len = bench.kv_length(prompts, 2 + 1 + bench.WARM_TOKENS)
+    out = spec_bench.measure_switch(model, drafter, requests, (1,), (2,), choice, None, kv_len,
+                                    repeats=2, new_tokens=4)["1"]  # fmt: skip
+    plain_runs = [sync for sync, policy in runs if policy == "PlainPolicy"]
+    assert set(plain_runs) == {"lazy", "eager"}, runs
+    first = {k: plain_runs.index(k) for k in ("lazy", "eager")}
+    last = {k: len(plain_runs) - 1 - plain_runs[::-1].index(k) for k in first}
+    assert first["eager"] < last["lazy"] and first["lazy"] < last["eager"], plain_runs
+    spread = out["eager_overhead_spread"]
+    assert spread is not None and len(spread["runs"]) >= 1
+    assert spread["min"] <= spread["median"] <= spread["max"]
+    assert out["eager_overhead"] == pytest.approx(
+        out["eager_plain_step_ms"] / out["plain_step_ms"] - 1.0
+    )
 
 
 def test_bench_fixed_ngram_runs_without_a_drafter(aligned):

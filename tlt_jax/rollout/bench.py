@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax.metrics import timing
 from tlt_jax.metrics.timing import median_step_ms
 from tlt_jax.rollout.adaptive import (
     AdaptivePolicy,
@@ -189,29 +190,45 @@ def run_point(engine, groups, choice: StepChoice | None, hot_ids, repeats: int) 
 
 
 def run_points(engine, groups, sides, repeats: int) -> list[dict]:
-    """`run_point` for several (choice, hot_ids) sides on one engine, their runs alternating
-    (the order reversed every round), so that a disturbance of the machine hits every side of
-    a ratio alike. Returns one `run_point` dict per side, in the order given."""
-    state = [{"best": None, "clean": 0, "runs": 0} for _ in sides]
-    hot_set: list = [object()]  # the ids last given to the engine (none yet)
+    """`run_point` for several (choice, hot_ids) sides, their runs alternating (the order
+    reversed every round: `timing.side_order`), so that a disturbance of the machine hits
+    every side of a ratio alike.
+
+    Args:
+      engine: the `RolloutEngine` of every side, or a list of them, one per side (sides that
+        differ in the engine itself, e.g. its drafter sync).
+      groups, repeats: as `run_point`'s.
+      sides: (choice, hot_ids) per side (choice None: plain).
+
+    Returns:
+      One `run_point` dict per side, in the order given; each also holds `rounds`, the totals
+      of its clean runs by round, from which `round_ratios` pairs two sides' runs.
+    """
+    engines = list(engine) if isinstance(engine, list | tuple) else [engine] * len(sides)
+    if len(engines) != len(sides):
+        raise ValueError(f"{len(engines)} engines for {len(sides)} sides: expected one engine, "
+                         "or one per side")  # fmt: skip
+    state = [{"best": None, "clean": 0, "runs": 0, "rounds": {}} for _ in sides]
+    hot_set: dict[int, Any] = {}  # per engine, the ids last given to it
 
     def wanted(i):
         return state[i]["clean"] < repeats and state[i]["runs"] < repeats + 1
 
     round_ = 0
     while any(wanted(i) for i in range(len(sides))):
-        order = range(len(sides)) if round_ % 2 == 0 else reversed(range(len(sides)))
-        round_ += 1
+        order = timing.side_order(range(len(sides)), round_)
         for i in order:
             if not wanted(i):
                 continue
             choice, hot_ids = sides[i]
-            engine.step_policy = fixed_policy(choice)
+            side_engine = engines[i]
+            side_engine.step_policy = fixed_policy(choice)
             # Plain steps draft nothing: the SD side's ids stay, sliced once, not per run.
-            if choice is not None and hot_ids is not hot_set[0]:
-                engine.set_hot_token_ids(hot_ids)
-                hot_set[0] = hot_ids
-            runs = [timed_generate(engine, group) for group in groups]
+            key = id(side_engine)
+            if choice is not None and (key not in hot_set or hot_set[key] is not hot_ids):
+                side_engine.set_hot_token_ids(hot_ids)
+                hot_set[key] = hot_ids
+            runs = [timed_generate(side_engine, group) for group in groups]
             side = state[i]
             side["runs"] += 1
             if any(r["compiled"] for r in runs):
@@ -219,9 +236,11 @@ def run_points(engine, groups, sides, repeats: int) -> list[dict]:
             side["clean"] += 1
             keys = ("decode_tokens", "decode_s", "tokens", "wall_s", "steps")
             total = {key: sum(r[key] for r in runs) for key in keys}
+            side["rounds"][round_] = total
             if side["best"] is None or total["decode_s"] < side["best"]["decode_s"]:
                 side["best"] = dict(total, accepted=[n for r in runs for n in r["accepted"]],
                                     outputs=[r["outputs"] for r in runs])  # fmt: skip
+        round_ += 1
     out = []
     for (choice, _), side in zip(sides, state, strict=True):
         best = side["best"]
@@ -232,12 +251,30 @@ def run_points(engine, groups, sides, repeats: int) -> list[dict]:
                         e2e_tokens_per_s=best["tokens"] / best["wall_s"],
                         accept_len=float(np.mean(accepted)) if accepted else None,
                         sd_steps=len(accepted), timed_runs=side["runs"],
-                        clean_runs=side["clean"]))  # fmt: skip
+                        clean_runs=side["clean"], rounds=side["rounds"]))  # fmt: skip
     return out
 
 
+def round_ratios(a: dict, b: dict, figure) -> list[float]:
+    """`figure(run)` of side `a` over side `b`'s, per round both ran clean (`run_points`'
+    `rounds`): the ratio as each pair of neighbouring runs measured it."""
+    both = sorted(set(a["rounds"]) & set(b["rounds"]))
+    return [figure(a["rounds"][r]) / figure(b["rounds"][r]) for r in both]
+
+
+def decode_tokens_per_s(run: dict) -> float:
+    return run["decode_tokens"] / run["decode_s"]
+
+
+def step_ms(run: dict) -> float:
+    return 1e3 * run["decode_s"] / run["steps"]
+
+
 def compare(sd: dict, plain: dict) -> dict:
-    """The JSON row of an SD point against plain decoding of the same requests."""
+    """The JSON row of an SD point against plain decoding of the same requests (two sides of
+    one `run_points` call: `speedup_spread` pairs their runs round by round; None when no
+    round ran both clean)."""
+    ratios = round_ratios(sd, plain, decode_tokens_per_s)
     return {
         "tokens_per_s": sd["tokens_per_s"],
         "plain_tokens_per_s": plain["tokens_per_s"],
@@ -250,6 +287,8 @@ def compare(sd: dict, plain: dict) -> dict:
         "plain_step_ms": 1e3 * plain["decode_s"] / plain["steps"],
         "timed_runs": sd["timed_runs"],  # runs that compiled something are not kept
         "clean_runs": sd["clean_runs"],
+        # Per round, SD's run over the plain run beside it: the speedup's spread.
+        "speedup_spread": timing.spread(ratios) if ratios else None,
     }
 
 
@@ -350,11 +389,6 @@ def _warm(engine, requests, max_runs: int) -> int:
     return max_runs
 
 
-def _spread(values) -> dict[str, Any]:
-    return {"median": float(np.median(values)), "min": float(np.min(values)),
-            "max": float(np.max(values)), "runs": [float(v) for v in values]}  # fmt: skip
-
-
 def _adaptive_row(pairs, policy: AdaptivePolicy) -> dict[str, Any]:
     def tps(run):
         return run["decode_tokens"] / run["decode_s"]
@@ -367,10 +401,10 @@ def _adaptive_row(pairs, policy: AdaptivePolicy) -> dict[str, Any]:
         rows.update(p["adaptive"]["source_rows"])
         tokens.update(p["adaptive"]["source_tokens"])
     return {
-        "plain_tokens_per_s": _spread(plain),
-        "adaptive_tokens_per_s": _spread(adaptive),
+        "plain_tokens_per_s": timing.spread(plain),
+        "adaptive_tokens_per_s": timing.spread(adaptive),
         "adaptive_over_plain": float(np.median(adaptive) / np.median(plain)),
-        "pair_ratio": _spread([a / b for a, b in zip(adaptive, plain, strict=True)]),
+        "pair_ratio": timing.spread([a / b for a, b in zip(adaptive, plain, strict=True)]),
         "plain_step_ms": float(
             np.median([1e3 * p["plain"]["decode_s"] / p["plain"]["steps"] for p in pairs])
         ),  # fmt: skip

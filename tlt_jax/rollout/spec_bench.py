@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax.metrics import timing
 from tlt_jax.metrics.timing import median_step_ms
 from tlt_jax.rollout.adaptive import DRAFT_SOURCES, BanditConfig, ScheduledPolicy, StepChoice
 from tlt_jax.rollout.bench import (
@@ -45,8 +46,10 @@ from tlt_jax.rollout.bench import (
     load_questions,
     make_engine,
     require_prompts,
+    round_ratios,
     run_point,
     run_points,
+    step_ms,
     warm_up,
 )
 from tlt_jax.rollout.engine import DRAFTER_SYNC, Request
@@ -207,11 +210,13 @@ def measure_switch(model, drafter, requests, batches, lags, choice, hot_ids, kv_
     `lag` positions behind, and the first SD step runs the engine's catch-up, timed by the engine
     (`EngineStats.spec_switch_seconds`, compilation excluded). Eager: every plain step also runs
     the drafter layer over its new pair; both engines' plain steps are timed on the same
-    requests (`new_tokens` each).
+    requests (`new_tokens` each), their runs alternating.
 
     Returns:
-      {batch: {"catchup": {lag: row}, "plain_step_ms", "eager_plain_step_ms", "eager_overhead"}};
-      a catch-up row also gives `catchup_in_plain_steps`.
+      {batch: {"catchup": {lag: row}, "plain_step_ms", "eager_plain_step_ms", "eager_overhead",
+      "eager_overhead_spread"}} (the step times of each side's fastest run; the spread over
+      rounds of each eager run against the lazy run beside it); a catch-up row also gives
+      `catchup_in_plain_steps`.
     """
     out = {}
     for batch in batches:
@@ -238,15 +243,19 @@ def measure_switch(model, drafter, requests, batches, lags, choice, hot_ids, kv_
         eager = make_engine(model, drafter, batch, kv_len, ngram=choice.needs_ngram,
                             drafter_sync="eager")  # fmt: skip
         warm_up(eager, group, choice, hot_ids)
-        plain = run_point(engine, group, None, None, repeats)
-        eager_plain = run_point(eager, group, None, None, repeats)
-        plain_ms = 1e3 * plain["decode_s"] / plain["steps"]
-        eager_ms = 1e3 * eager_plain["decode_s"] / eager_plain["steps"]
+        # Plain steps of the two engines, their runs alternating (`run_points`).
+        plain, eager_plain = run_points([engine, eager], group, [(None, None), (None, None)],
+                                        repeats)  # fmt: skip
+        plain_ms, eager_ms = step_ms(plain), step_ms(eager_plain)
+        overheads = [r - 1.0 for r in round_ratios(eager_plain, plain, step_ms)]
         for row in catchup.values():
             row["catchup_in_plain_steps"] = row["catchup_ms"] / plain_ms
         out[str(batch)] = {"catchup": catchup, "plain_step_ms": plain_ms,
                            "eager_plain_step_ms": eager_ms,
-                           "eager_overhead": eager_ms / plain_ms - 1.0}  # fmt: skip
+                           "eager_overhead": eager_ms / plain_ms - 1.0,
+                           # Per round, the eager run over the lazy one beside it, - 1.
+                           "eager_overhead_spread": timing.spread(overheads)
+                           if overheads else None}  # fmt: skip
         log.info(
             "switch batch %3d: plain step %.0f ms (eager sync %.0f ms); catch-up %s",
             batch,
