@@ -8,9 +8,10 @@ full vocabulary and for its --hot_sizes most frequent columns (what `train_draft
 --hot_vocab` trains), and with the first hot size, for each --unroll_steps > 1 (training-time
 test, `train_drafter.py --unroll_steps`: N drafting levels per step). The policy's shapes
 come from the --model preset; its weights and the batch are random (a step's cost does not
-depend on their values). Steps alternate between the variants so that other load on the
-machine hits them alike; each figure is the median of --num_steps timed steps after one
-compile step, with the per-round ratios' spread.
+depend on their values). Steps alternate between the variants, the order reversed every round
+(`round_order`), so that other load on the machine hits them alike and no variant always runs
+right after the same other one; each figure is the median of --num_steps timed steps after
+one compile step, with the per-round ratios' spread.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main(argv):
 
     from tlt_jax.drafter.data import pack_windows
     from tlt_jax.drafter.trainer import DrafterTrainConfig, init_train_state, make_train_step
+    from tlt_jax.metrics import timing
     from tlt_jax.models.drafter import init_drafter
     from tlt_jax.models.presets import get_preset
 
@@ -89,8 +91,11 @@ def main(argv):
         states[name] = init_train_state(init_drafter(config, 0).params_dict(), train)
         states[name], metrics = step(states[name], batch, embed, head)
         jax.block_until_ready(metrics)
-    for _ in range(_NUM_STEPS.value):
-        for name, (head, step) in variants.items():
+    order = []  # the variants of each round, in the order they ran
+    for round_ in range(_NUM_STEPS.value):
+        order.append(timing.side_order(list(variants), round_))
+        for name in order[-1]:
+            head, step = variants[name]
             start = time.perf_counter()
             states[name], metrics = step(states[name], batch, embed, head)
             jax.block_until_ready(metrics)
@@ -104,7 +109,8 @@ def main(argv):
         "cpu_count": os.cpu_count(),
         "tokens_per_step": _BATCH_ROWS.value * _ROW_LEN.value,
         "step_s": step_s,
-        "step_s_runs": times,  # every timed step, in the alternating rounds' order
+        "step_s_runs": times,  # every timed step, round by round
+        "round_order": order,
         "speedup_vs_full": {name: step_s["full"] / s for name, s in step_s.items()},
         # The spread: per round, the full step over the variant's step timed beside it.
         "speedup_vs_full_spread": {

@@ -1,5 +1,6 @@
 """scripts/bench_drafter.py on the tiny preset: its ratios come with their spread over the
-alternating rounds (every timed step kept), not a median alone."""
+alternating rounds (every timed step kept), not a median alone, and the rounds alternate which
+variant runs first."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def test_ratios_carry_the_spread_of_their_rounds(tmp_path):
     result = json.loads(out.read_text())
     runs = result["step_s_runs"]
     assert set(runs) == {"full", "hot16"} and all(len(v) == 3 for v in runs.values())
+    # Each variant runs first in alternate rounds (not the full head first in every round).
+    assert result["round_order"] == [["full", "hot16"], ["hot16", "full"], ["full", "hot16"]]
     spread = result["speedup_vs_full_spread"]["hot16"]
     # Per round: the full step over the hot one timed beside it.
     per_round = sorted(f / h for f, h in zip(runs["full"], runs["hot16"], strict=True))
