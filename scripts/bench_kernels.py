@@ -1,5 +1,7 @@
-r"""Tree-verify and decode attention: the XLA reference, the Pallas kernel and the CUDA paths
-(torch SDPA, flash_attn, flashinfer where they import) side by side (`tlt_jax/kernel_bench/`).
+r"""Tree-verify and decode attention: the float32 XLA reference (the numerics oracle), the
+model's XLA attention (bf16 products, float32 scores: what the Pallas speedup is taken over),
+the Pallas kernel and the CUDA paths (torch SDPA, flash_attn, flashinfer where they import) side
+by side (`tlt_jax/kernel_bench/`).
 
 On a GPU (the device shape set: Qwen2.5-7B / R1-Distill-Qwen-7B heads, B 1-64, T 8-64,
 S 1k-32k, headline verify cases first, within a 240 s budget):

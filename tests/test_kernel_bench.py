@@ -13,9 +13,12 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 
@@ -23,7 +26,7 @@ from pallas_kernels.tree_attention import tree_attention_reference
 from tlt_jax import kernel_bench
 
 IMPLEMENTATIONS = {impl.name: impl for impl in kernel_bench.IMPLEMENTATIONS}
-MEASURED = ("xla", "pallas", "torch_sdpa", "torch_sdpa_repeat_kv")
+MEASURED = ("xla_reference", "xla", "pallas", "torch_sdpa", "torch_sdpa_repeat_kv")
 TINY = dict(num_runs=1, num_warmup=0)
 
 
@@ -62,8 +65,11 @@ def test_tiny_rows_numerics_and_json(tiny_float32):
         for name in ("flash_attn", "flashinfer"):
             if importlib.util.find_spec(name) is None:
                 assert row["impls"][name]["status"] == "unavailable"
-        xla_ms, pallas_ms = (row["impls"][n]["median_ms"] for n in ("xla", "pallas"))
+        xla_ms, reference_ms, pallas_ms = (row["impls"][n]["median_ms"]
+                                           for n in ("xla", "xla_reference", "pallas"))  # fmt: skip
         assert row["speedup_pallas_over_xla"] == pytest.approx(xla_ms / pallas_ms)
+        assert row["speedup_pallas_over_xla_reference"] == pytest.approx(reference_ms / pallas_ms)
+        assert row["impls"]["xla_reference"]["max_abs_diff"] == 0.0  # the oracle itself
         assert row["best_cuda_path"] in ("torch_sdpa", "torch_sdpa_repeat_kv")
 
 
@@ -71,7 +77,11 @@ def test_tiny_summary_goals_not_applicable_in_interpret_mode(tiny_float32):
     summary = tiny_float32[1]["summary"]
     assert summary["interpret"] and summary["presets"] == ["tiny"]
     assert summary["headline_tree"]["num_rows"] == 2 and summary["decode"]["num_rows"] == 2
-    assert summary["headline_tree"]["geomean_speedup_pallas_over_xla"] > 0
+    headline = summary["headline_tree"]
+    assert headline["geomean_speedup_pallas_over_xla"] == pytest.approx(
+        math.sqrt(math.prod(r["speedup_pallas_over_xla"] for r in tiny_float32[1]["results"][:2]))
+    )
+    assert headline["geomean_speedup_pallas_over_xla_reference"] > 0
     assert set(summary["goals"]) == {goal for goal, *_ in kernel_bench.GOALS}
     for entry in summary["goals"].values():
         assert entry["status"] == "not_applicable" and entry["met"] is None
@@ -115,7 +125,7 @@ def test_max_bytes_skips_cases():
 def _off_by_one(inputs):
     """A reference that drops each request's last cache token: its diff must show."""
     q, k_cache, v_cache, lens, *tree = inputs.args
-    prepared = IMPLEMENTATIONS["xla"].prepare(inputs)
+    prepared = IMPLEMENTATIONS["xla_reference"].prepare(inputs)
     return dataclasses.replace(
         prepared, call=lambda: tree_attention_reference(q, k_cache, v_cache, lens - 1, *tree)
     )
@@ -127,7 +137,7 @@ def _raises(inputs):
 
 def test_a_raising_implementation_is_recorded_and_the_run_goes_on():
     implementations = [
-        IMPLEMENTATIONS["xla"],
+        IMPLEMENTATIONS["xla_reference"],
         kernel_bench.Implementation("raises", _raises),
         kernel_bench.Implementation("off_by_one", _off_by_one),
         kernel_bench.Implementation("tree_only", _raises, kernels=("tree",)),
@@ -138,7 +148,8 @@ def test_a_raising_implementation_is_recorded_and_the_run_goes_on():
         impls = row["impls"]
         error = "RuntimeError: no kernel for this shape"
         assert impls["raises"] == dict(status="error", error=error)
-        assert impls["xla"]["status"] == "ok" and impls["xla"]["max_abs_diff"] == 0.0
+        assert impls["xla_reference"]["status"] == "ok"
+        assert impls["xla_reference"]["max_abs_diff"] == 0.0
         assert impls["off_by_one"]["max_abs_diff"] > 1e-3
         assert impls["off_by_one"]["status"] == "mismatch"  # timed, but it counts toward no goal
         assert row["speedup_pallas_over_xla"] is None and row["best_cuda_path"] is None
@@ -202,7 +213,7 @@ def test_flash_attn_and_flashinfer_plumbing_against_documented_semantics(monkeyp
     flash_attn.flash_attn_with_kvcache = _flash_attn_with_kvcache
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
     monkeypatch.setitem(sys.modules, "flash_attn", flash_attn)
-    implementations = [IMPLEMENTATIONS[n] for n in ("xla", "flash_attn", "flashinfer")]
+    implementations = [IMPLEMENTATIONS[n] for n in ("xla_reference", "flash_attn", "flashinfer")]
     result = kernel_bench.run("tiny", dtype="float32", implementations=implementations, **TINY)
     for row in result["results"]:
         assert row["impls"]["flashinfer"]["max_abs_diff"] < 1e-4, row
@@ -224,13 +235,13 @@ def test_json_is_on_disk_before_the_first_case_and_after_each_implementation(tmp
         seen.append(json.loads(path.read_text()))
         raise RuntimeError("stop")
 
-    implementations = [IMPLEMENTATIONS["xla"], kernel_bench.Implementation("peek", peek)]
+    implementations = [IMPLEMENTATIONS["xla_reference"], kernel_bench.Implementation("peek", peek)]
     kernel_bench.run("tiny", out_json=str(path), budget_s=0, dtype="float32",
                      implementations=implementations, **TINY)  # fmt: skip
     (first,) = seen
     assert first["results"] == [] and not first["finished"]  # the header, before any row
     progress = first["in_progress"]
-    assert progress["kernel"] == "tree" and progress["impls"]["xla"]["status"] == "ok"
+    assert progress["kernel"] == "tree" and progress["impls"]["xla_reference"]["status"] == "ok"
     final = json.loads(path.read_text())
     assert "in_progress" not in final and len(final["results"]) == 1
     assert not list(tmp_path.glob("*.tmp"))
@@ -268,3 +279,30 @@ def test_pipelined_hbm_fraction_is_reported_beside_the_synchronised_one():
     assert tree["median_pallas_hbm_fraction_pipelined"] == pytest.approx(
         row["impls"]["pallas"]["hbm_fraction_pipelined"]
     )
+
+
+def _products(implementation: str, dtype) -> list[tuple[str, str, str]]:
+    """(lhs, rhs, result) tensor types of every dot_general the implementation's timed call
+    lowers to for CUDA (no GPU needed: XLA ops only), on the second tiny tree case."""
+    case = kernel_bench.shape_cases("tiny")[1]
+    inputs = kernel_bench.make_inputs(case, dtype, interpret=True)
+    call = IMPLEMENTATIONS[implementation].prepare(inputs).call
+    text = jax.jit(call).trace().lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"dot_general.*?: \((tensor<[^>]*>), (tensor<[^>]*>)\) -> (tensor<[^>]*>)",
+                      text)  # fmt: skip
+
+
+def test_the_xla_side_pallas_is_timed_against_is_the_models_bf16_attention():
+    """``xla`` (what speedup_pallas_over_xla and its goal read) multiplies the bfloat16 cache
+    in bfloat16 with float32 scores, over the same [B, S, K, H] buffer the kernel is given, as
+    the model's attention(impl="xla") does on a GPU; the float32 oracle upcasts everything. The
+    longest request fills the buffer in every case, so no static prefix is shorter."""
+    cache = "tensor<2x256x2x16x{}>"  # B 2, S 256, K 2, H 16
+    products = _products("xla", jnp.bfloat16)
+    assert len(products) == 4 and all(lhs.endswith("xbf16>") for lhs, _, _ in products)
+    assert (cache.format("bf16"), "tensor<2x8x2x2x16xbf16>", "tensor<2x2x256x8x2xf32>") in products
+    reference = _products("xla_reference", jnp.bfloat16)
+    assert all(t.endswith("xf32>") for product in reference for t in product)
+    assert cache.format("f32") in {lhs for lhs, _, _ in reference}
+    cases = kernel_bench.shape_cases("device") + kernel_bench.shape_cases("tiny")
+    assert all(c.cache_lens().max() == c.cache_len for c in cases)

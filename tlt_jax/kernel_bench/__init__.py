@@ -9,7 +9,13 @@ Kernels (dimension letters as in ``pallas_kernels/tree_attention.py``):
   new token attends to its cache and to itself.
 
 Implementations (``IMPLEMENTATIONS``), each case on the same inputs:
-- ``xla``: ``tree_attention_reference``, jitted jnp (float32 math at HIGHEST precision).
+- ``xla_reference``: ``tree_attention_reference``, jitted jnp in float32 at HIGHEST precision:
+  the numerics oracle every ``max_abs_diff`` is taken against (``runner.TOLERANCES``). Timed
+  too (``speedup_pallas_over_xla_reference``), but it upcasts the cache and multiplies in
+  float32, which no one would ship, so no goal reads it.
+- ``xla``: the model's own XLA attention (``tlt_jax.models.transformer.attention`` with
+  ``impl="xla"``), the path the kernel replaces: input-dtype products with float32 scores,
+  over the same cache buffer as the kernel. ``speedup_pallas_over_xla`` and its goal use it.
 - ``pallas``: ``tree_attention`` (the Pallas interpreter on CPU, which times the interpreter).
 - ``torch_sdpa``: ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with a boolean mask over
   a cache [B, K, L, H] holding the tree K/V at each request's end (where a verify step writes

@@ -17,6 +17,7 @@ import numpy as np
 
 from pallas_kernels.tree_attention import BlockSizes, tree_attention, tree_attention_reference
 from tlt_jax.models.presets import get_preset
+from tlt_jax.models.transformer import attention
 
 KERNELS = {
     "tree": "verify step: q [B, T, N, H] over a ragged cache [B, S, K, H] (request b holds "
@@ -180,8 +181,26 @@ def _jax_prepared(fn: Callable, inputs: CaseInputs) -> Prepared:
     return Prepared(call, jax.block_until_ready, to_numpy, jax.default_backend())
 
 
-def prepare_xla(inputs: CaseInputs) -> Prepared:
+def prepare_xla_reference(inputs: CaseInputs) -> Prepared:
     return _jax_prepared(tree_attention_reference, inputs)
+
+
+@jax.jit
+def _model_xla_attention(q, k_cache, v_cache, cache_lens, k_tree, v_tree, tree_mask):
+    return attention(q, k_tree, v_tree, tree_mask, k_cache, v_cache, cache_lens, impl="xla")
+
+
+def prepare_xla(inputs: CaseInputs) -> Prepared:
+    """The attention the model runs with ``attention_impl="xla"``, the path the kernel replaces:
+    products in the input dtype with float32 scores (``preferred_element_type``), probabilities
+    cast back to the input dtype for the value product.
+
+    It reads the buffer the kernel is given. A dense call cannot skip a request's dead tail, and
+    the static prefix it could be cut to (the longest request's length) is the whole buffer in
+    every case (``Case.cache_lens``: request 0 holds S tokens), so the kernel's per-request skip
+    is a gain a JAX user would see, not a difference of setup.
+    """
+    return _jax_prepared(_model_xla_attention, inputs)
 
 
 def prepare_pallas(inputs: CaseInputs) -> Prepared:

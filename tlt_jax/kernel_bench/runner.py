@@ -33,11 +33,14 @@ from tlt_jax.kernel_bench.cases import (
     make_inputs,
     prepare_pallas,
     prepare_xla,
+    prepare_xla_reference,
     shape_cases,
 )
 from tlt_jax.kernel_bench.cuda_paths import prepare_flash_attn, prepare_flashinfer, prepare_sdpa
 
 _ERROR_CHARS = 2000
+# The correctness oracle: every output's max_abs_diff and status are taken against its output.
+REFERENCE = "xla_reference"
 # How far an implementation's output may be from the XLA reference's (`np.allclose` terms) and
 # still count: tests/test_tree_attention.py's tolerances, float32's widened for libraries
 # whose float32 products may round through TF32. Past them the status is "mismatch", and the
@@ -45,6 +48,7 @@ _ERROR_CHARS = 2000
 TOLERANCES = {"float32": dict(atol=1e-3, rtol=1e-3), "bfloat16": dict(atol=3e-2, rtol=3e-2)}
 
 IMPLEMENTATIONS = (
+    Implementation(REFERENCE, prepare_xla_reference),
     Implementation("xla", prepare_xla),
     Implementation("pallas", prepare_pallas),
     Implementation("torch_sdpa", functools.partial(prepare_sdpa, repeat_kv=False),
@@ -110,7 +114,7 @@ def _measure_case(
         except Exception as error:  # any failure of one implementation is a result, not a crash
             impls[impl.name] = dict(status="error", error=_error(error))
             continue
-        if impl.name == "xla":
+        if impl.name == REFERENCE:
             reference = out_BxTxNxH
         gb_per_s = live_bytes / figures["median_ms"] / 1e6
         # Back-to-back calls hide the per-call dispatch and synchronisation (tens of us) that
@@ -132,14 +136,15 @@ def _measure_case(
     cuda = [i.name for i in implementations if i.cuda_path and ok(i.name)]
     best_cuda = min(cuda, key=lambda name: impls[name]["median_ms"], default=None)
     pallas_ms = impls["pallas"]["median_ms"] if ok("pallas") else None
+    speedup = lambda name: impls[name]["median_ms"] / pallas_ms if pallas_ms and ok(name) else None
     return dict(
         kernel=case.kernel, presets=list(case.presets), num_heads=case.num_heads,
         num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, batch=case.batch_size,
         tokens=case.num_tokens, cache_len=case.cache_len,
         mean_cache_len=float(case.cache_lens().mean()), dtype=str(inputs.args[0].dtype),
         headline=case.headline, live_bytes=live_bytes, impls=impls, best_cuda_path=best_cuda,
-        speedup_pallas_over_xla=impls["xla"]["median_ms"] / pallas_ms
-        if pallas_ms and ok("xla") else None,
+        speedup_pallas_over_xla=speedup("xla"),
+        speedup_pallas_over_xla_reference=speedup(REFERENCE),
         pallas_ms_over_best_cuda_ms=pallas_ms / impls[best_cuda]["median_ms"]
         if pallas_ms and best_cuda else None,
     )  # fmt: skip
@@ -151,6 +156,8 @@ def _geomean(values: list[float]) -> float | None:
 
 def _group_summary(rows: list[dict]) -> dict[str, Any]:
     speedups = [r["speedup_pallas_over_xla"] for r in rows if r["speedup_pallas_over_xla"]]
+    over_reference = [r["speedup_pallas_over_xla_reference"] for r in rows
+                      if r["speedup_pallas_over_xla_reference"]]  # fmt: skip
     cuda = [r["pallas_ms_over_best_cuda_ms"] for r in rows if r["pallas_ms_over_best_cuda_ms"]]
     pallas = [r["impls"].get("pallas", {}) for r in rows]
     pallas = [p for p in pallas if p.get("status") == "ok"]
@@ -160,6 +167,7 @@ def _group_summary(rows: list[dict]) -> dict[str, Any]:
     return dict(
         num_rows=len(rows),
         geomean_speedup_pallas_over_xla=_geomean(speedups),
+        geomean_speedup_pallas_over_xla_reference=_geomean(over_reference),
         min_pallas_hbm_fraction=min(fractions, default=None),
         median_pallas_hbm_fraction=statistics.median(fractions) if fractions else None,
         median_pallas_hbm_fraction_pipelined=statistics.median(pipelined) if pipelined else None,
@@ -291,7 +299,8 @@ def run(
         hbm_gbps: peak HBM bandwidth; 0: by device kind (``HBM_GBPS_BY_DEVICE_KIND``).
         interpret: Pallas interpret mode; None: on CPU only.
         block_sizes: Pallas tiles; None: ``BlockSizes.get_default``.
-        implementations: what to run; ``xla`` is the numerics reference and should come first.
+        implementations: what to run; ``REFERENCE`` is the numerics oracle and should come
+            first (outputs before it get no ``max_abs_diff``).
         command: the command line to record.
 
     Returns:
