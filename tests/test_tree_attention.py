@@ -6,6 +6,7 @@ bfloat16, about 3 significant digits, and the kernel feeds bfloat16 probabilitie
 matmul as flash attention does; outputs are O(1)).
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -166,6 +167,21 @@ def test_platform_default_tiling_in_interpret_mode(platform):
     assert_close(jax.jit(run)(*inputs), tree_attention_reference(*inputs), jnp.float32)
 
 
+def abstract_h100():
+    """An abstract H100 to lower the Triton kernel for when no GPU is attached.
+
+    jax 0.11's Triton lowering reads the target's compute capability from the device
+    (``pallas.triton.gpu_info.get_gpu_info``) and raises "No supported GPU devices found, please
+    specify an abstract GPU device" on a CPU; jax 0.10 fell back to sm_90 itself. An H100 is
+    sm_90 too, and the card the device checks run on.
+    """
+    device = jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"
+    )
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_for_triton_and_mosaic(platform, dtype):
@@ -193,7 +209,8 @@ def test_lowers_for_triton_and_mosaic(platform, dtype):
             struct(batch, tokens, tokens, dt=jnp.bool_),
         )
         exported = export.export(jax.jit(run), platforms=[platform], disabled_checks=[triton_call])
-        module = exported(*args).mlir_module()
+        with abstract_h100() if platform == "cuda" else contextlib.nullcontext():
+            module = exported(*args).mlir_module()
         kernel_call = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
         assert f"custom_call @{kernel_call}" in module
 
