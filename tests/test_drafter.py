@@ -435,6 +435,44 @@ def test_export_round_trip(model_type, embed_head, tmp_path):
     np.testing.assert_array_equal(g_loaded, g)
 
 
+def test_a_drafter_of_another_model_is_refused_by_name_on_every_load_path(tmp_path, monkeypatch):
+    """A drafter exported for a model of the same widths but another vocabulary used to load
+    (and compile, and draft ids of the other tokenizer): `load_eagle` with the target, the RL
+    run's `spec.drafter` and generate.py --drafter refuse it, naming the directory and both
+    values, before an engine is built."""
+    from tlt_jax.data.tokenizer import ByteTokenizer
+    from tlt_jax.models import checkpoints
+    from tlt_jax.rl.config import SpecConfig
+    from tlt_jax.rl.policy import load_drafter
+    from tlt_jax.rollout import generate
+
+    out = export_eagle(random_drafter(3).params_dict(), CONFIG, tmp_path / "eagle")
+    other = CONFIG.replace(vocab_size=2 * CONFIG.vocab_size)
+    message = re.escape(
+        f"EAGLE drafter {out} was exported for another model: its config.json "
+        f"has vocab_size={CONFIG.vocab_size} (the target's: {other.vocab_size})"
+    )
+    with pytest.raises(ValueError, match=message):
+        load_eagle(out, target=other)
+    with pytest.raises(ValueError, match=message):
+        load_drafter(SpecConfig(drafter=str(out)), other)
+    assert load_drafter(SpecConfig(drafter=str(out)), CONFIG)[0].config == drafter_config(CONFIG)
+    with pytest.raises(ValueError, match=re.escape("model_type='llama' (the target's: 'qwen2')")):
+        load_eagle(out, target=CONFIG.replace(model_type="qwen2", attention_bias=True))
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built before the drafter was checked")
+
+    monkeypatch.setattr(checkpoints, "load_tokenizer", lambda name: ByteTokenizer())
+    monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: init_model(other, seed=0))
+    monkeypatch.setattr(generate, "RolloutEngine", no_engine)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    config = generate.GenerateConfig(model="tiny", prompts=str(prompts), drafter=str(out))
+    with pytest.raises(ValueError, match=message):
+        generate.run(config)
+
+
 # ----------------------------------------------------------------------------- config
 
 

@@ -35,6 +35,13 @@ from tlt_jax.models.config import ModelConfig, config_from_hf_dict
 from tlt_jax.models.drafter import Drafter, DrafterParams, drafter_config, drafter_from_params
 
 EAGLE_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"}
+# The fields of an EAGLE config.json that are its target's: the drafter takes the target's
+# embedding, head and token ids, so a drafter of another model (another vocabulary, family,
+# width or RoPE) would load and compile, then draft tokens that mean something else. Its own
+# layer's sizes (intermediate_size, rms_norm_eps) and max_position_embeddings are not checked:
+# public EAGLE checkpoints may set them on their own.
+TARGET_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_heads", "num_kv_heads",
+                 "head_dim", "rope_theta", "rope_scaling")  # fmt: skip
 # Tensors other EAGLE checkpoints may carry that the drafter takes from the live policy.
 _IGNORED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
@@ -128,21 +135,44 @@ def load_eagle_config(path: str | os.PathLike) -> ModelConfig:
     return config_from_hf_dict(dict(hf, architectures=None))
 
 
-def load_eagle(path: str | os.PathLike, **config_overrides) -> Drafter:
+def check_eagle_target(path: str | os.PathLike, drafter: ModelConfig, target: ModelConfig
+                       ) -> None:  # fmt: skip
+    """Checks that the EAGLE drafter at `path` (its config `drafter`) was made for `target`.
+
+    Raises:
+      ValueError: naming the directory and, per differing `TARGET_FIELDS` entry, the drafter's
+        value and the target's.
+    """
+    diff = [f"{name}={getattr(drafter, name)!r} (the target's: {getattr(target, name)!r})"
+            for name in TARGET_FIELDS
+            if getattr(drafter, name) != getattr(target, name)]  # fmt: skip
+    if diff:
+        raise ValueError(f"EAGLE drafter {path} was exported for another model: its "
+                         f"config.json has {', '.join(diff)}")  # fmt: skip
+
+
+def load_eagle(path: str | os.PathLike, *, target: ModelConfig | None = None,
+               **config_overrides) -> Drafter:  # fmt: skip
     """Loads an EAGLE directory written by `export_eagle` (or a TLT / EAGLE-1 checkpoint).
 
     Args:
       path: directory with config.json and model.safetensors (or a sharded index).
+      target: the config of the model it will draft for: checked (`check_eagle_target`)
+        before any weight is read. Every caller that has a target passes it; None only
+        inspects the directory.
       **config_overrides: e.g. `param_dtype="bfloat16"`.
 
     Returns:
       A `Drafter` with the loaded weights.
 
     Raises:
-      ValueError: on missing or unexpected tensors or shape mismatches.
+      ValueError: on a drafter of another model than `target`, missing or unexpected tensors
+        or shape mismatches.
     """
     path = Path(path)
     config = load_eagle_config(path)
+    if target is not None:
+        check_eagle_target(path, config, target)
     if config_overrides:
         config = config.replace(**config_overrides)
     source = SafetensorsSource(path)

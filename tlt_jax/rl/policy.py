@@ -182,7 +182,7 @@ def load_drafter(spec: SpecConfig, target: ModelConfig):
     if not path.is_dir():
         raise FileNotFoundError(f"spec.drafter={spec.drafter!r} is not a directory (expected an "
                                 "HF-EAGLE export from scripts/train_drafter.py)")  # fmt: skip
-    drafter = load_eagle(path, dtype=target.dtype, param_dtype=target.param_dtype)
+    drafter = load_eagle(path, target=target, dtype=target.dtype, param_dtype=target.param_dtype)
     hot_file = path / HOT_VOCAB_FILE
     hot = None
     if spec.hot_vocab and not hot_file.is_file():  # e.g. a public EAGLE checkpoint

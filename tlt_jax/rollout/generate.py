@@ -131,7 +131,9 @@ def run(config: GenerateConfig) -> dict[str, Any]:
         from tlt_jax.drafter.export import load_eagle
         from tlt_jax.drafter.hot_vocab import load_hot_vocab
 
-        drafter = load_eagle(config.drafter, param_dtype=config.dtype, dtype=config.dtype)
+        drafter = load_eagle(
+            config.drafter, target=model.config, param_dtype=config.dtype, dtype=config.dtype
+        )
         hot_file = Path(config.drafter) / "hot_vocab.json"
         if config.hot_vocab and not hot_file.is_file():  # e.g. a public EAGLE checkpoint
             logging.warning(

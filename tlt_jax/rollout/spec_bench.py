@@ -508,7 +508,7 @@ def run(config: SpecBenchConfig) -> dict[str, Any]:
         from tlt_jax.drafter.export import load_eagle
         from tlt_jax.drafter.hot_vocab import HOT_VOCAB_FILE, load_hot_vocab
 
-        drafter = load_eagle(config.drafter)
+        drafter = load_eagle(config.drafter, target=model.config)
         if config.hot_vocab_size:
             hot_source = config.hot_vocab or str(Path(config.drafter) / HOT_VOCAB_FILE)
             if not Path(hot_source).exists():
