@@ -4,7 +4,9 @@ r"""GRPO-family RL post-training from an ml_collections config.
     python scripts/train.py --config configs/smollm2_arith.py:smoke --workdir /tmp/tlt_smoke \
         --config.rl.group_size=8 --config.optim.learning_rate=2e-6
 
-Re-running with the same --workdir resumes from its latest checkpoint.
+Re-running with the same --workdir resumes from its latest checkpoint. A resume with another
+`data` group (dataset, folder, splits, seed, prompt format) is refused, naming the changed
+fields, unless --config.checkpoint.allow_data_change=True.
 """
 
 import logging

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -720,6 +721,47 @@ def test_a_resumed_run_reuses_the_before_evaluation_only_under_the_same_eval_set
     other = run(2)
     assert other["after"]["num_problems"] == 2
     assert other["before"] is None and other["paired"] is None
+
+
+def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """A run resumed with another `data` group used to only log a warning and then train on
+    the other data from the checkpoint's position: it is refused before the model loads,
+    naming each field with both values, and the checkpoint stays resumable;
+    `checkpoint.allow_data_change` lets it through (a position past the new split's end
+    starts the next epoch)."""
+    from tlt_jax.data.pipeline import DataConfig
+    from tlt_jax.rl import policy
+    from tlt_jax.rl.config import data_changes
+
+    first = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
+    first.train()
+    first.close()
+    build_policy = policy.build_policy
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the data config was checked")
+
+    monkeypatch.setattr(policy, "build_policy", no_model)
+    changed = {"data.seed": 5, "data.instruction": "Answer."}
+    message = re.escape(f"checkpoint {tmp_path / 'checkpoints'}/1 was written by a run with "
+                        "another data config: data.instruction (checkpoint '', this run "
+                        "'Answer.'), data.seed (checkpoint 0, this run 5).")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        Trainer(tiny_config(total_steps=2, **changed), tmp_path, progress=False)
+    monkeypatch.setattr(policy, "build_policy", build_policy)
+    same = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
+    assert same.restored_from == 1 and same.iterator.state() == {"epoch": 0, "index": 2}
+    same.close()
+    allowed_config = tiny_config(
+        total_steps=1, **changed, **{"data.num_train": 1, "checkpoint.allow_data_change": True}
+    )
+    allowed = Trainer(allowed_config, tmp_path, progress=False)
+    assert allowed.restored_from == 1 and allowed.iterator.state() == {"epoch": 1, "index": 0}
+    allowed.close()
+    # A field the checkpoint predates counts as its default; the TFDS cache is no data.
+    assert data_changes({"data": {}}, DataConfig()) == {}
+    assert data_changes({"data": {"cache_dir": "/elsewhere"}}, DataConfig()) == {}
+    assert data_changes({"data": {}}, DataConfig(seed=3)) == {"data.seed": (0, 3)}
 
 
 def test_kl_to_the_frozen_initial_policy(tmp_path):

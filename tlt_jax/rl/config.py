@@ -430,13 +430,51 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """The `checkpoint` group (the save interval is the top-level `checkpoint_every`)."""
+    """The `checkpoint` group (the save interval is the top-level `checkpoint_every`).
+
+    Attributes:
+      max_to_keep: checkpoints kept in `workdir/checkpoints`.
+      async_save: write checkpoints in the background.
+      allow_data_change: resume a workdir whose checkpoint was written under another `data`
+        group (`data_changes`). Off, such a resume is refused before anything loads: the
+        checkpoint's data position, and the accuracy before training, are of the other
+        data. On, the run trains on the new data from the checkpointed position (the next
+        epoch's start when that position is past the new split's end).
+    """
 
     max_to_keep: int = 3
     async_save: bool = True
+    allow_data_change: bool = False
 
     def __post_init__(self):
         _positive_int("checkpoint", "max_to_keep", self.max_to_keep)
+
+
+# Where TFDS caches what it builds: moving it changes no prompt.
+_DATA_FIELDS_NOT_COMPARED = ("cache_dir",)
+
+
+def data_changes(stored: dict[str, Any], data: DataConfig) -> dict[str, tuple[Any, Any]]:
+    """`data` fields whose values differ from the checkpointed run's, as
+    `{"data.<field>": (checkpointed, this run's)}`.
+
+    Args:
+      stored: the checkpoint's `TrainConfig.to_dict()`. A field it lacks (written before the
+        field existed) counts as its default, which the run then had; a checkpoint with no
+        `data` group at all (not written by a run) has nothing to compare.
+    """
+    if "data" not in stored:
+        return {}
+    before = stored["data"]
+    changes = {}
+    for field in dataclasses.fields(DataConfig):
+        if field.name in _DATA_FIELDS_NOT_COMPARED:
+            continue
+        old = before.get(field.name, field.default)
+        new = getattr(data, field.name)
+        if old != new:
+            changes[f"data.{field.name}"] = (old, new)
+    return changes
 
 
 _GROUPS: dict[str, type] = {

@@ -67,7 +67,7 @@ from tlt_jax.programs import ProgramPool, abstract_like
 from tlt_jax.rl import evaluation, packing, policy, rollout_slices, spot
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import compute_advantages
-from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
+from tlt_jax.rl.config import TrainConfig, data_changes, resolve_reward_fn
 from tlt_jax.rl.rewards import score_batch
 from tlt_jax.rollout.engine import Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -111,6 +111,34 @@ def check_same_restore(group: ProcessGroup, step: int | None, directory) -> None
                                "that every process reads?")  # fmt: skip
 
 
+def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig) -> bool:
+    """Whether the run to resume (the latest checkpoint's) had another `data` config than
+    `config`; reads only the checkpoint's config.
+
+    Raises:
+      ValueError: naming the checkpoint and each changed field with both values, unless
+        `checkpoint.allow_data_change`: its data position (and the accuracy before training)
+        belong to the other data, so resuming would silently mix two runs.
+    """
+    step = checkpointer.latest_step()
+    stored = checkpointer.read_config(step) if step is not None else None
+    changes = data_changes(stored or {}, config.data)
+    if not changes:
+        return False
+    listed = ", ".join(f"{name} (checkpoint {old!r}, this run {new!r})"
+                       for name, (old, new) in changes.items())  # fmt: skip
+    if not config.checkpoint.allow_data_change:
+        raise ValueError(
+            f"checkpoint {checkpointer.directory}/{step} was written by a run with another data "
+            f"config: {listed}. Resume with the checkpoint's data config, use another "
+            "--workdir, or set --config.checkpoint.allow_data_change=True to train on the new "
+            "data from the checkpoint"
+        )
+    log.warning("resuming step %d on changed data (checkpoint.allow_data_change): %s", step,
+                listed)  # fmt: skip
+    return True
+
+
 class Trainer:
     """One RL run in `workdir`; resumes from the latest checkpoint there automatically."""
 
@@ -139,13 +167,23 @@ class Trainer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.sinks: list[FeatureSink] = [] if feature_sink is None else [feature_sink]
         self.progress = progress
-        # Data first: a missing data folder fails before any model is loaded or compiled.
-        self._train_examples = load_data(cfg.data, cfg.data.train_split)
+        self.group = ProcessGroup()
+        self.checkpointer = RunCheckpointer(
+            self.workdir / "checkpoints", max_to_keep=cfg.checkpoint.max_to_keep,
+            async_save=cfg.checkpoint.async_save, process_local=self.group.count > 1,
+        )  # fmt: skip
+        # First, a resume under another data config is refused (reads only its config), then
+        # a missing data folder fails, both before any model is loaded or compiled.
+        try:
+            data_changed = check_resumed_data(self.checkpointer, cfg)
+            self._train_examples = load_data(cfg.data, cfg.data.train_split)
+        except BaseException:
+            self.checkpointer.close()  # its background threads would outlive the error
+            raise
         self.iterator = PromptIterator(
             self._train_examples, cfg.rl.prompts_per_step, seed=cfg.data.seed
         )
         self._eval_examples: list[dict] | None = None
-        self.group = ProcessGroup()
         devices = rollout_slices.slice_devices(cfg, self.group)  # before any model loads
 
         self.mesh = policy.build_mesh(cfg.model)
@@ -197,10 +235,6 @@ class Trainer:
                        out_shardings=out)  # fmt: skip
         self.state: step_lib.TrainState = init(params)
 
-        self.checkpointer = RunCheckpointer(
-            self.workdir / "checkpoints", max_to_keep=cfg.checkpoint.max_to_keep,
-            async_save=cfg.checkpoint.async_save, process_local=self.group.count > 1,
-        )  # fmt: skip
         self.restored_from: int | None = None
         drafter_like = None if self.online is None else self.online.state
         restored = self.checkpointer.restore(self.state, drafter_like=drafter_like)
@@ -208,7 +242,13 @@ class Trainer:
         if restored is not None:
             self.state = restored.state
             self.rollouts.load_drafter(restored.extra, restored.drafter, restored.drafter_buffer)
-            self.iterator.restore(restored.data_position)
+            position = restored.data_position
+            if data_changed and int(position["index"]) > len(self._train_examples):
+                log.warning("checkpoint data position %s is past the new train split's %d "
+                            "examples: starting the next epoch", position,
+                            len(self._train_examples))  # fmt: skip
+                position = {"epoch": int(position["epoch"]) + 1, "index": 0}
+            self.iterator.restore(position)
             self.restored_from = restored.step
             changed = {k for k, v in cfg.to_dict().items() if restored.config.get(k) != v}
             if changed:
