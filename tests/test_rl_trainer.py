@@ -764,6 +764,27 @@ def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path, 
     assert data_changes({"data": {}}, DataConfig(seed=3)) == {"data.seed": (0, 3)}
 
 
+def test_the_report_names_the_step_this_process_compiled_before(tmp_path):
+    """The report said "compiled before step 1" on a resumed run, and on a run with no step
+    left it reported the earlier process's compile_report.json as its own."""
+    from tlt_jax.rl.run import train_and_evaluate
+
+    def report_lines(total_steps):
+        config = tiny_config(total_steps=total_steps, plot_every=100)
+        report = train_and_evaluate(config, tmp_path, progress=False)["report"]
+        return [line for line in report.splitlines()
+                if line.startswith(("steps:", "train programs compiled"))]  # fmt: skip
+
+    fresh, resumed, finished = report_lines(1), report_lines(2), report_lines(2)
+    assert fresh[0] == "steps: 1 (config total_steps 1; not resumed)"
+    assert fresh[1].startswith("train programs compiled before this process's first step "
+                               "(step 1): ")  # fmt: skip
+    assert resumed[0] == "steps: 2 (config total_steps 2; resumed from 1)"
+    assert resumed[1].startswith("train programs compiled before this process's first step "
+                                 "(step 2): ")  # fmt: skip
+    assert finished == ["steps: 2 (config total_steps 2; resumed from 2)"]  # compiled nothing
+
+
 def test_kl_to_the_frozen_initial_policy(tmp_path):
     config = tiny_config(total_steps=2, **{"rl.kl_coef": 0.5})
     trainer = Trainer(config, tmp_path, progress=False)

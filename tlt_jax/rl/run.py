@@ -73,15 +73,19 @@ def _load_eval(workdir: Path, tag: str, settings: dict[str, Any]) -> evaluation.
     return result
 
 
-def _compile_summary(workdir: Path) -> str:
+def _compile_summary(workdir: Path, before_step: int | None) -> str:
+    """The compile report's line, for the programs this process compiled before its first
+    step, `before_step` (1 unless resumed; None: it ran no step, so compiled nothing and the
+    file, if any, is an earlier process's)."""
     path = workdir / "compile_report.json"
-    if not path.is_file():
+    if before_step is None or not path.is_file():
         return ""
     rows = json.loads(path.read_text())
     peak = max((r.get("temp", 0) + r.get("argument", 0) + r.get("output", 0)
                 - r.get("alias", 0) for r in rows), default=0)  # fmt: skip
     seconds = sum(r["compile_s"] for r in rows)
-    return (f"train programs compiled before step 1: {len(rows)} in {seconds:.1f} s; largest "
+    return (f"train programs compiled before this process's first step (step {before_step}): "
+            f"{len(rows)} in {seconds:.1f} s; largest "
             f"footprint (arguments + outputs + temporaries) {peak / 2**30:.2f} GiB "
             f"({path.name})")  # fmt: skip
 
@@ -177,8 +181,10 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
     if not primary:
         return {"steps": trainer.step_count, "process": trainer.group.index}
     records = read_metrics(workdir)
+    resumed = ("not resumed" if trainer.restored_from is None
+               else f"resumed from {trainer.restored_from}")  # fmt: skip
     lines = [f"workdir: {workdir}", f"steps: {trainer.step_count} (config total_steps "
-             f"{cfg.total_steps}; resumed from {trainer.restored_from})"]  # fmt: skip
+             f"{cfg.total_steps}; {resumed})"]  # fmt: skip
     paired = None
     split = f"{cfg.data.name}/{cfg.data.level if cfg.data.name == 'arithmetic' else ''}"
     if before is not None:
@@ -194,7 +200,7 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
             f"difference: {paired['diff']:+.3f} +- {paired['stderr']:.3f} (paired, same "
             f"{paired['n']} problems: {paired['gained']} gained, {paired['lost']} lost)"
         )
-    compiled = _compile_summary(workdir)
+    compiled = _compile_summary(workdir, trainer.compiled_before_step)
     if compiled:
         lines.append(compiled)
     lines.append("time per phase:")

@@ -236,6 +236,8 @@ class Trainer:
         self.state: step_lib.TrainState = init(params)
 
         self.restored_from: int | None = None
+        # The step `precompile` compiled before (None: this process has not compiled).
+        self.compiled_before_step: int | None = None
         drafter_like = None if self.online is None else self.online.state
         restored = self.checkpointer.restore(self.state, drafter_like=drafter_like)
         check_same_restore(self.group, restored and restored.step, self.checkpointer.directory)
@@ -390,6 +392,7 @@ class Trainer:
             log.info("compiled %s", row)
         if self.group.is_primary:
             (self.workdir / "compile_report.json").write_text(json.dumps(report, indent=1))
+        self.compiled_before_step = self.step_count + 1
         return report
 
     # -- one step ------------------------------------------------------------------------------
