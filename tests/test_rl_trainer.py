@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -57,9 +58,20 @@ def test_shared_prompt_forward_equals_full_forward(tiny, temperature):
                                    full_features[0, : len(prompt)], atol=2e-5)  # fmt: skip
 
 
+@functools.cache
+def _programs(graphdef, algorithm):
+    """The log-prob and gradient programs, jitted once per model and algorithm (run op by op,
+    a bfloat16 gradient took over a minute)."""
+    logprob = jax.jit(functools.partial(step_lib.logprob_program, graphdef, temperature=1.0))
+    grad = jax.jit(functools.partial(step_lib.grad_program, graphdef, algorithm=algorithm,
+                                     temperature=1.0))  # fmt: skip
+    return logprob, grad
+
+
 def _accumulate(graphdef, params, batches, advantages, algorithm, lengths=None):
     """Accumulates padded micro-batches (advantages per response of each) with token weights
     over all of them, as the trainer does."""
+    logprob_program, grad_program = _programs(graphdef, algorithm)
     masks = [np.asarray(b.response_mask_BxT) for b in batches]
     lengths = np.concatenate([m.sum(1) for m in masks]) if lengths is None else lengths
     weights = token_weights(algorithm.loss_aggregation, lengths)
@@ -67,13 +79,12 @@ def _accumulate(graphdef, params, batches, advantages, algorithm, lengths=None):
     accum, start = step_lib.zero_accumulator(params), 0
     for batch, mask, adv in zip(batches, masks, advantages, strict=True):
         n = len(mask)
-        old = step_lib.logprob_program(graphdef, params, batch, temperature=1.0)[0]
+        old = logprob_program(params, batch)[0]
         per_row = lambda v, m=mask: jnp.asarray(np.where(m, np.float32(v)[:, None], 0))  # noqa: E731
         inputs = step_lib.LossInputs(old, jnp.zeros(mask.shape), per_row(adv),
                                      per_row(weights[start : start + n]),
                                      per_row(np.full(n, metric)))  # fmt: skip
-        accum = step_lib.grad_program(graphdef, params, accum, batch, inputs,
-                                      algorithm=algorithm, temperature=1.0)  # fmt: skip
+        accum = grad_program(params, accum, batch, inputs)
         start += n
     return accum
 
