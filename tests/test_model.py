@@ -336,6 +336,42 @@ def test_export_over_an_earlier_sharded_export_loads_the_new_weights(tmp_path):
                                   new.embed.get_value())  # fmt: skip
 
 
+@pytest.mark.parametrize("blocks", [None, (4, 64)], ids=["whole_files", "sampled_blocks"])
+def test_the_weights_fingerprint_follows_the_weights_not_the_path(tmp_path, monkeypatch,
+                                                                  blocks):  # fmt: skip
+    """A resume compares this fingerprint (the path does not tell a moved checkpoint from
+    other weights of the same shapes): equal for a copy elsewhere and for a renamed GGUF,
+    different for another init, a sharded export's changed shard, or another shard layout.
+    `sampled_blocks`: files larger than the blocks read, as real checkpoints are."""
+    import shutil
+
+    from tlt_jax.models.transformer import init_model
+
+    if blocks is not None:
+        monkeypatch.setattr(checkpoints, "FINGERPRINT_BLOCKS", blocks[0])
+        monkeypatch.setattr(checkpoints, "FINGERPRINT_BLOCK_BYTES", blocks[1])
+    config = get_preset("tiny")
+    first = checkpoints.export_hf(init_model(config, seed=0), tmp_path / "first")
+    moved = shutil.copytree(first, tmp_path / "elsewhere" / "moved")
+    other = checkpoints.export_hf(init_model(config, seed=1), tmp_path / "other")
+    fingerprint = checkpoints.weights_fingerprint
+    assert fingerprint(moved) == fingerprint(first) != fingerprint(other)
+    sharded = checkpoints.export_hf(init_model(config, seed=0), tmp_path / "sharded",
+                                    max_shard_bytes=50_000)  # fmt: skip
+    changed = shutil.copytree(sharded, tmp_path / "changed")
+    last = sorted(changed.glob("model-*-of-*.safetensors"))[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 1  # the last byte: in the last block read
+    last.write_bytes(bytes(data))
+    assert len({fingerprint(first), fingerprint(sharded), fingerprint(changed)}) == 3
+    gguf = checkpoints.resolve_model_path("smollm2-135m-instruct")
+    (tmp_path / "renamed.gguf").symlink_to(gguf)
+    assert fingerprint(tmp_path / "renamed.gguf") == fingerprint("smollm2-135m-instruct")
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor an index"):
+        fingerprint(shutil.copytree(first, tmp_path / "empty", ignore=shutil.ignore_patterns(
+            "*.safetensors")))  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

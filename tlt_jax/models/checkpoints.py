@@ -8,6 +8,7 @@ and every device shard is read from the (memory-mapped) file straight onto its d
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -98,19 +99,23 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
 # ----------------------------------------------------------------------------- sources
 
 
+def _weight_map(directory: Path) -> dict[str, str] | None:
+    """The shard index's tensor -> file map; None for a single `model.safetensors`."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    if (directory / "model.safetensors").is_file():
+        return None
+    raise FileNotFoundError(f"{directory} has neither model.safetensors nor an index")
+
+
 class SafetensorsSource:
     """Tensors of an HF directory (one file or an index of shards), memory-mapped."""
 
     def __init__(self, directory: Path):
         from safetensors import safe_open
 
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (directory / "model.safetensors").is_file():
-            weight_map = None
-        else:
-            raise FileNotFoundError(f"{directory} has neither model.safetensors nor an index")
+        weight_map = _weight_map(directory)
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
         self._handles = {}
         for name in files:
@@ -263,6 +268,51 @@ class GGUFSource:
 
 def open_source(path: Path) -> SafetensorsSource | GGUFSource:
     return GGUFSource(path) if path.suffix == ".gguf" else SafetensorsSource(path)
+
+
+# `weights_fingerprint` reads this many evenly spaced blocks of this many bytes per file.
+FINGERPRINT_BLOCKS = 256
+FINGERPRINT_BLOCK_BYTES = 2048
+
+
+def weights_fingerprint(name_or_path: str | os.PathLike) -> str:
+    """A cheap fingerprint of a checkpoint's weights (hex): equal for the same files under
+    another path or name, different for other weights of the same shapes.
+
+    It hashes each weight file's size and `FINGERPRINT_BLOCKS` blocks of
+    `FINGERPRINT_BLOCK_BYTES` at evenly spaced offsets (the whole file when it is smaller):
+    at most 512 KiB a file, read before any model loads, where hashing every byte would read
+    the whole checkpoint (gigabytes) once more. Names and sizes alone are no fingerprint: two
+    fine-tunes of one model have the same files of the same sizes. Two trained versions of a
+    model (fine-tunes, or inits of other seeds) differ in nearly every parameter, so in every
+    block; what the blocks can miss is a change confined to tensors smaller than the spacing
+    between blocks (file size / 256), e.g. to the norm weights only. A shard's file name is
+    hashed with it (the index names them); a GGUF file's name is not (a renamed copy holds the
+    same weights), nor is config.json (the architecture, which the weights' shapes follow).
+
+    Raises:
+      FileNotFoundError: as `resolve_model_path`, or a directory without weights.
+    """
+    path = resolve_model_path(name_or_path)
+    if path.is_file():
+        files = [(path, "")]
+    else:
+        weight_map = _weight_map(path)
+        names = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        files = [(path / name, name) for name in names]
+    digest = hashlib.sha256()
+    for file, name in files:
+        size = file.stat().st_size
+        digest.update(f"{name}:{size}:".encode())
+        with open(file, "rb") as f:
+            if size <= FINGERPRINT_BLOCKS * FINGERPRINT_BLOCK_BYTES:
+                digest.update(f.read())
+                continue
+            last = size - FINGERPRINT_BLOCK_BYTES
+            for i in range(FINGERPRINT_BLOCKS):
+                f.seek(i * last // (FINGERPRINT_BLOCKS - 1))
+                digest.update(f.read(FINGERPRINT_BLOCK_BYTES))
+    return digest.hexdigest()[:16]
 
 
 def load_config(name_or_path: str | os.PathLike, **overrides) -> ModelConfig:
