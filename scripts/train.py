@@ -6,7 +6,9 @@ r"""GRPO-family RL post-training from an ml_collections config.
 
 Re-running with the same --workdir resumes from its latest checkpoint. A resume with another
 `data` group (dataset, folder, splits, seed, prompt format) is refused, naming the changed
-fields, unless --config.checkpoint.allow_data_change=True.
+fields, unless --config.checkpoint.allow_data_change=True; so is one of another model (other
+weights under `model.name`, which may move; another preset, init seed or tokenizer) unless
+--config.checkpoint.allow_model_change=True.
 """
 
 import logging

@@ -775,6 +775,75 @@ def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path, 
     assert data_changes({"data": {}}, DataConfig(seed=3)) == {"data.seed": (0, 3)}
 
 
+def test_a_resume_of_another_model_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """A run with a KL penalty resumed with another `model.init_seed` only logged "changed
+    config groups ['model']" and then took the other model as its KL reference (the
+    reference is rebuilt from the loaded model, not checkpointed): it is refused before the
+    model loads, naming the field with both values; `checkpoint.allow_model_change` lets it
+    through. Fields that keep the weights (dtypes, mesh, architecture) are free."""
+    from tlt_jax.rl import policy
+    from tlt_jax.rl.config import ModelSettings, model_changes
+
+    first = Trainer(tiny_config(total_steps=1, **{"rl.kl_coef": 0.5}), tmp_path, progress=False)
+    first.train()
+    first.close()
+    build_policy = policy.build_policy
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the model's identity was checked")
+
+    monkeypatch.setattr(policy, "build_policy", no_model)
+    other = {"rl.kl_coef": 0.5, "model.init_seed": 1}
+    message = re.escape(f"checkpoint {tmp_path / 'checkpoints'}/1 was written by a run of "
+                        "another model: model.init_seed (checkpoint 0, this run 1).")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        Trainer(tiny_config(total_steps=2, **other), tmp_path, progress=False)
+    monkeypatch.setattr(policy, "build_policy", build_policy)
+    allow = {"checkpoint.allow_model_change": True}
+    allowed = Trainer(tiny_config(total_steps=1, **other, **allow), tmp_path, progress=False)
+    assert allowed.restored_from == 1
+    allowed.close()
+    stored = {"model": {"preset": "tiny", "tokenizer": "byte"}}  # fields it lacks: defaults
+    free = ModelSettings(preset="tiny", tokenizer="byte", dtype="bfloat16",
+                         param_dtype="bfloat16", mesh_shape=(1, 2),
+                         architecture="tiny")  # fmt: skip
+    assert model_changes(stored, None, free, None) == {}
+    assert model_changes(stored, None, ModelSettings(preset="smollm2_135m", tokenizer="byte"),
+                         None) == {"model.preset": ("tiny", "smollm2_135m")}  # fmt: skip
+    assert model_changes({"model": {"name": "/a"}}, None, ModelSettings(name="/b"), "f2") == {
+        "model.name": ("/a", "/b")}  # no stored fingerprint: the paths are compared  # fmt: skip
+
+
+def test_a_resume_from_a_moved_checkpoint_is_allowed_from_other_weights_refused(tmp_path):
+    """The model's `name` is a path: the same weights moved elsewhere resume, other weights
+    of the same shapes (which only logged a warning and became the KL reference) do not."""
+    import shutil
+
+    from tlt_jax.models import checkpoints
+
+    config = get_preset("tiny")
+    weights = checkpoints.export_hf(init_model(config, seed=0), tmp_path / "weights")
+    other = checkpoints.export_hf(init_model(config, seed=1), tmp_path / "other")
+
+    def run(name, total_steps):
+        overrides = {"model.preset": "", "model.name": str(name), "rl.kl_coef": 0.5}
+        return Trainer(tiny_config(total_steps=total_steps, **overrides), tmp_path / "run",
+                       progress=False)  # fmt: skip
+
+    first = run(weights, 1)
+    first.train()
+    first.close()
+    moved = shutil.move(weights, tmp_path / "moved")
+    resumed = run(moved, 1)
+    assert resumed.restored_from == 1
+    resumed.close()
+    fingerprint = checkpoints.weights_fingerprint
+    message = re.escape(f"model.name (checkpoint '{weights} (weights {fingerprint(moved)})', "
+                        f"this run '{other} (weights {fingerprint(other)})')")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        run(other, 2)
+
+
 def test_the_report_names_the_step_this_process_compiled_before(tmp_path):
     """The report said "compiled before step 1" on a resumed run, and on a run with no step
     left it reported the earlier process's compile_report.json as its own."""

@@ -5,6 +5,9 @@ An RL run's checkpoint at step k holds, as three items of one orbax step directo
 - `state`: the `TrainState` pytree (policy params, optimizer state, step, RNG key data);
 - `data`: the prompt iterator's position (`{"epoch", "index"}`, JSON);
 - `config`: the run's `TrainConfig.to_dict()` (JSON), for the record and for resume checks;
+- `weights`: `{"fingerprint": ...}` of the checkpoint file the run's model was loaded from
+  (`checkpoints.weights_fingerprint`; absent for a random preset, and in checkpoints written
+  before it existed), so a resume can tell a moved checkpoint from other weights;
 - `extra`: host-side state of the run's other parts (JSON: the SD bandits' reward windows and
   random streams, the online drafter's counters); checkpoints written before it existed
   restore with `extra == {}`;
@@ -103,8 +106,13 @@ class RunCheckpointer(_Checkpointer):
 
     def save(self, step: int, state: Any, data_position: dict[str, int],
              config: dict[str, Any], extra: dict[str, Any] | None = None, *,
-             drafter: Any = None, drafter_buffer: dict | None = None) -> bool:  # fmt: skip
-        """Starts saving (returns before the files are written when async). False if present."""
+             drafter: Any = None, drafter_buffer: dict | None = None,
+             weights: str | None = None) -> bool:  # fmt: skip
+        """Starts saving (returns before the files are written when async). False if present.
+
+        Args:
+          weights: the fingerprint of the model's checkpoint file (None: a random preset).
+        """
         if step in self._manager.all_steps():
             return False
         if self._process_local:  # orbax saves only global arrays across processes: host copies
@@ -115,6 +123,8 @@ class RunCheckpointer(_Checkpointer):
             config=ocp.args.JsonSave(config),
             extra=ocp.args.JsonSave(extra or {}),
         )
+        if weights is not None:
+            items["weights"] = ocp.args.JsonSave({"fingerprint": weights})
         if drafter is not None:
             items["drafter"] = ocp.args.StandardSave(drafter)
         if drafter_buffer is not None:
@@ -124,12 +134,21 @@ class RunCheckpointer(_Checkpointer):
     def read_config(self, step: int | None = None) -> dict[str, Any] | None:
         """The run config stored with the checkpoint at `step` (default latest); None if there
         is no checkpoint. Reads nothing else."""
+        return self._read_json("config", step)
+
+    def read_weights(self, step: int | None = None) -> str | None:
+        """The weights fingerprint stored with the checkpoint at `step` (default latest); None
+        if there is no checkpoint or it has none (a preset's run, or written before it existed).
+        Reads nothing else."""
+        return (self._read_json("weights", step) or {}).get("fingerprint")
+
+    def _read_json(self, item: str, step: int | None) -> dict[str, Any] | None:
         step = self._manager.latest_step() if step is None else step
-        if step is None:
+        if step is None or not (self.directory / str(step) / item).exists():
             return None
         restored = self._manager.restore(
-            step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))  # fmt: skip
-        return dict(restored.config)
+            step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))  # fmt: skip
+        return dict(restored[item])
 
     def restore(self, like: Any, step: int | None = None, *, drafter_like: Any = None
                 ) -> Restored | None:  # fmt: skip

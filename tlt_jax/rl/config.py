@@ -440,11 +440,17 @@ class CheckpointConfig:
         checkpoint's data position, and the accuracy before training, are of the other
         data. On, the run trains on the new data from the checkpointed position (the next
         epoch's start when that position is past the new split's end).
+      allow_model_change: resume (or evaluate) a workdir whose checkpoint was written by a
+        run of another model (`model_changes`). Off, that is refused before any model loads:
+        the KL reference is not checkpointed but rebuilt from the model this run loads, so it
+        would be another model than the run's, and the prompts another tokenizer's. On, the
+        checkpoint's policy continues with this run's model as its KL reference and tokenizer.
     """
 
     max_to_keep: int = 3
     async_save: bool = True
     allow_data_change: bool = False
+    allow_model_change: bool = False
 
     def __post_init__(self):
         _positive_int("checkpoint", "max_to_keep", self.max_to_keep)
@@ -475,6 +481,45 @@ def data_changes(stored: dict[str, Any], data: DataConfig) -> dict[str, tuple[An
         if old != new:
             changes[f"data.{field.name}"] = (old, new)
     return changes
+
+
+def model_changes(stored: dict[str, Any], stored_weights: str | None, model: ModelSettings,
+                  weights: str | None) -> dict[str, tuple[Any, Any]]:  # fmt: skip
+    """Where this run's model differs in identity from the checkpointed run's, as
+    `{"model.<field>": (checkpointed, this run's)}`.
+
+    The identity is what decides the initial weights (the KL reference) and what the token
+    ids mean: `preset`, its `init_seed`, `tokenizer`, and for a model loaded from `name` the
+    weights' fingerprint (`checkpoints.weights_fingerprint`), not the path: a moved or
+    renamed checkpoint is the same model, and another checkpoint of the same shapes is not.
+    Free to change: `dtype` and `param_dtype` (the same weights computed or held at another
+    precision), `mesh_shape` (their layout), `architecture` (a check of the loaded
+    checkpoint's shapes, and the dry plan's), and `init_seed` of a loaded model (unused).
+
+    Args:
+      stored: the checkpoint's `TrainConfig.to_dict()`. A field it lacks counts as its
+        default; a checkpoint with no `model` group (not written by a run) has nothing to
+        compare.
+      stored_weights: the checkpoint's weights fingerprint (None: a preset, or a checkpoint
+        that predates it, whose `name` is then compared as written).
+      model: this run's settings.
+      weights: the fingerprint of this run's `model.name` (None for a preset).
+    """
+    if "model" not in stored:
+        return {}
+    before = {f.name: stored["model"].get(f.name, f.default)
+              for f in dataclasses.fields(ModelSettings)}  # fmt: skip
+    fields = ("preset", "tokenizer", "init_seed") if model.preset else ("preset", "tokenizer")
+    changes = {f"model.{f}": (before[f], getattr(model, f)) for f in fields
+               if before[f] != getattr(model, f)}  # fmt: skip
+    old_name, new_name = before["name"], model.name
+    if old_name and new_name and stored_weights is not None and weights is not None:
+        if stored_weights != weights:
+            changes["model.name"] = (f"{old_name} (weights {stored_weights})",
+                                     f"{new_name} (weights {weights})")  # fmt: skip
+    elif old_name != new_name:
+        changes["model.name"] = (old_name, new_name)
+    return dict(sorted(changes.items()))
 
 
 _GROUPS: dict[str, type] = {

@@ -123,6 +123,13 @@ def planned_model_config(settings: ModelSettings) -> ModelConfig:
     return model_config(settings)
 
 
+def weights_fingerprint(settings: ModelSettings) -> str | None:
+    """`checkpoints.weights_fingerprint` of `name`, which the run's checkpoints store (reads
+    at most 512 KiB a weight file); None for a random preset, whose `preset` and `init_seed`
+    say which weights it is."""
+    return None if settings.preset else checkpoints.weights_fingerprint(settings.name)
+
+
 _ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                         "num_layers", "num_heads", "num_kv_heads", "head_dim")  # fmt: skip
 

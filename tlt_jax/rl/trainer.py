@@ -67,7 +67,7 @@ from tlt_jax.programs import ProgramPool, abstract_like
 from tlt_jax.rl import evaluation, packing, policy, rollout_slices, spot
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import compute_advantages
-from tlt_jax.rl.config import TrainConfig, data_changes, resolve_reward_fn
+from tlt_jax.rl.config import TrainConfig, data_changes, model_changes, resolve_reward_fn
 from tlt_jax.rl.rewards import score_batch
 from tlt_jax.rollout.engine import Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -139,6 +139,43 @@ def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig) -> bo
     return True
 
 
+def check_resumed_model(checkpointer: RunCheckpointer, config: TrainConfig,
+                        weights: str | None, *, evaluating: bool = False) -> None:  # fmt: skip
+    """Refuses a checkpoint (the latest) written by a run of another model than `config`'s
+    (`model_changes`; `weights`: this run's `policy.weights_fingerprint`); reads only the
+    checkpoint's config and fingerprint.
+
+    Args:
+      evaluating: the checkpoint is to be evaluated, not resumed (its weights replace the
+        loaded ones, but the prompts are still this config's tokenizer's).
+
+    Raises:
+      ValueError: naming the checkpoint and each changed field with both values, unless
+        `checkpoint.allow_model_change`: the KL reference (rebuilt from the model this run
+        loads, not checkpointed) would be another model than the checkpointed run's.
+    """
+    step = checkpointer.latest_step()
+    if step is None:
+        return
+    stored = checkpointer.read_config(step) or {}
+    changes = model_changes(stored, checkpointer.read_weights(step), config.model, weights)
+    if not changes:
+        return
+    listed = ", ".join(f"{name} (checkpoint {old!r}, this run {new!r})"
+                       for name, (old, new) in changes.items())  # fmt: skip
+    action = "evaluate" if evaluating else "resume"
+    if not config.checkpoint.allow_model_change:
+        raise ValueError(
+            f"checkpoint {checkpointer.directory}/{step} was written by a run of another model: "
+            f"{listed}. {action.capitalize()} with the checkpoint's model config, use another "
+            f"--workdir, or set --config.checkpoint.allow_model_change=True to {action} the "
+            "checkpoint's policy with this model's tokenizer"
+            + ("" if evaluating else " and weights as its KL reference")
+        )
+    log.warning("%s step %d of another model (checkpoint.allow_model_change): %s",
+                "evaluating" if evaluating else "resuming", step, listed)  # fmt: skip
+
+
 class Trainer:
     """One RL run in `workdir`; resumes from the latest checkpoint there automatically."""
 
@@ -157,7 +194,8 @@ class Trainer:
         Args:
           config: the validated run config.
           workdir: checkpoints, metrics and plots go here.
-          model: a `Transformer` to train instead of `config.model`'s (tests).
+          model: a `Transformer` to train instead of `config.model`'s (tests); a resume is
+            still checked against `config.model`.
           tokenizer: a tokenizer instead of `config.model`'s.
           feature_sink: receives tokens, features and masks of every recomputed sequence.
           progress: progress bars per phase (default: when stderr is a terminal).
@@ -172,9 +210,12 @@ class Trainer:
             self.workdir / "checkpoints", max_to_keep=cfg.checkpoint.max_to_keep,
             async_save=cfg.checkpoint.async_save, process_local=self.group.count > 1,
         )  # fmt: skip
-        # First, a resume under another data config is refused (reads only its config), then
-        # a missing data folder fails, both before any model is loaded or compiled.
+        # First, a resume of another model or under another data config is refused (reads
+        # only its config and weights fingerprint), then a missing data folder fails, all
+        # before any model is loaded or compiled.
         try:
+            self._weights = policy.weights_fingerprint(cfg.model)
+            check_resumed_model(self.checkpointer, cfg, self._weights)
             data_changed = check_resumed_data(self.checkpointer, cfg)
             self._train_examples = load_data(cfg.data, cfg.data.train_split)
         except BaseException:
@@ -743,7 +784,7 @@ class Trainer:
         extra, drafter, buffer = self.rollouts.state_dict(bandits)
         self.checkpointer.save(self.step_count, self.state, self.iterator.state(),
                                self.config.to_dict(), extra, drafter=drafter,
-                               drafter_buffer=buffer)  # fmt: skip
+                               drafter_buffer=buffer, weights=self._weights)  # fmt: skip
 
     def export_drafter(self) -> Path | None:
         """The online drafter as an HF-EAGLE directory (`workdir/drafter`); None without one."""
