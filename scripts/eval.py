@@ -5,6 +5,9 @@ untrained model) on the held-out split.
     python scripts/eval.py --config configs/smollm2_arith.py --num_problems=500
 
 Without --workdir (or with one that has no checkpoint) the config's model is scored as loaded.
+The config's `data` may differ from the run's; a checkpoint of another model than the config's
+(other weights, preset, init seed or tokenizer) is refused unless
+--config.checkpoint.allow_model_change=True.
 """
 
 from absl import app, flags

@@ -712,6 +712,36 @@ def test_evaluate_run_scores_the_latest_checkpoint(tmp_path, monkeypatch):
     assert any(not np.array_equal(a, b) for a, b in zip(run_weights, untrained, strict=True))
 
 
+def test_evaluate_run_refuses_a_checkpoint_of_another_model(tmp_path, monkeypatch):
+    """`evaluate_run` never compared the checkpoint's model with the config's: evaluating
+    under another model of the same shapes ran silently. It is refused before the model
+    loads unless `checkpoint.allow_model_change`; evaluating on other data stays allowed."""
+    from tlt_jax.rl import policy
+    from tlt_jax.rl.run import evaluate_run
+
+    trainer = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
+    trainer.train()
+    trainer.close()
+    build_policy = policy.build_policy
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the model's identity was checked")
+
+    monkeypatch.setattr(policy, "build_policy", no_model)
+    other = {"eval.num_problems": 2, "model.init_seed": 1}
+    message = re.escape("another model: model.init_seed (checkpoint 0, this run 1). Evaluate "
+                        "with the checkpoint's model config")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        evaluate_run(tiny_config(**other), tmp_path)
+    monkeypatch.setattr(policy, "build_policy", build_policy)
+    step, result = evaluate_run(tiny_config(**{"eval.num_problems": 2, "data.seed": 5}),
+                                tmp_path)  # fmt: skip
+    assert step == 1 and result.num_problems == 2
+    step, _ = evaluate_run(tiny_config(**other, **{"checkpoint.allow_model_change": True}),
+                           tmp_path)  # fmt: skip
+    assert step == 1
+
+
 def test_a_resumed_run_reuses_the_before_evaluation_only_under_the_same_eval_settings(
         tmp_path):  # fmt: skip
     """`eval_before.json` (the untrained policy's, which a resumed run cannot redo) is the

@@ -27,7 +27,7 @@ from tlt_jax.parallel import distributed
 from tlt_jax.rl import evaluation, policy
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
-from tlt_jax.rl.trainer import Trainer
+from tlt_jax.rl.trainer import Trainer, check_resumed_model
 
 log = logging.getLogger(__name__)
 
@@ -228,17 +228,28 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
     """Greedy accuracy of the latest checkpoint in `workdir` (or of the config's model when
     `workdir` is None or holds no checkpoint) on the held-out split. Writes nothing.
 
+    `config.data` may differ from the run's (evaluating on other data is the point); its
+    model may not (`trainer.check_resumed_model`, checked before any model loads) unless
+    `checkpoint.allow_model_change`.
+
     Returns:
       (the checkpoint's step, 0 for the untrained model; the result).
     """
     cfg = _as_train_config(config)
+    directory = None if workdir is None else Path(workdir) / "checkpoints"
+    if directory is not None and directory.is_dir():
+        checkpointer = RunCheckpointer(directory)
+        try:
+            check_resumed_model(checkpointer, cfg, policy.weights_fingerprint(cfg.model),
+                                evaluating=True)  # fmt: skip
+        finally:
+            checkpointer.close()
     examples = load_data(cfg.data, cfg.data.eval_split)
     mesh = policy.build_mesh(cfg.model)
     model = policy.build_policy(cfg.model, mesh)
     tokenizer = policy.build_tokenizer(cfg.model)
     engine = policy.build_engine(cfg, model)
     step = 0
-    directory = None if workdir is None else Path(workdir) / "checkpoints"
     if directory is not None and directory.is_dir():
         checkpointer = RunCheckpointer(directory)
         if checkpointer.latest_step() is not None:
