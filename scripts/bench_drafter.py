@@ -36,10 +36,6 @@ _UNROLL = flags.DEFINE_list("unroll_steps", ["3"], "Unrolled levels to time (fir
 _NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps per variant.")
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def main(argv):
     del argv
     import jax
@@ -114,7 +110,7 @@ def main(argv):
         "speedup_vs_full": {name: step_s["full"] / s for name, s in step_s.items()},
         # The spread: per round, the full step over the variant's step timed beside it.
         "speedup_vs_full_spread": {
-            name: _spread([f / v for f, v in zip(times["full"], t, strict=True)])
+            name: timing.spread([f / v for f, v in zip(times["full"], t, strict=True)])
             for name, t in times.items()
             if name != "full"
         },  # fmt: skip

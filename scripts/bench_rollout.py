@@ -6,8 +6,9 @@ SmolLM2-135M-Instruct on one chat prompt, every request generating exactly `--ne
 (no stop ids; transformers with `min_new_tokens`), greedy and sampled at temperature 0.8 (what
 RL does; transformers with `top_k=0`, the engine's default, so both sample the full
 distribution), at batch 1 / 8 / 32 / 64. Per batch, the engine and transformers alternate
-(the order flips every repeat) so both sides see the same machine load; each reports its best,
-median and worst tokens/s over `--repeats` runs, the ratio uses the best of each.
+(the order flips every repeat) so both sides see the same machine load; each reports its
+tokens/s over `--repeats` runs (`timing.spread`: median, mean, min, max = its best, and every
+run), the ratio uses the best of each.
 
 With `--sync_side`, the engine also runs with `overlap_host=False` (each step's tokens read
 before the next step is dispatched) beside the default, and `overlap_speedup` is their ratio.
@@ -139,6 +140,7 @@ def main(argv):
         raise app.UsageError(f"--dtypes {bad} are not among {list(DTYPES)}")
     import jax
 
+    from tlt_jax.metrics import timing
     from tlt_jax.models import checkpoints
     from tlt_jax.rollout import bench, limits
     from tlt_jax.rollout.engine import EngineConfig, RolloutEngine
@@ -190,14 +192,13 @@ def main(argv):
                         engines[side].stats.compile_seconds, 2)  # fmt: skip
                     engines[side].stats.compile_seconds = 0.0
             for repeat in range(FLAGS.repeats):
-                order = list(sides) if repeat % 2 == 0 else list(sides)[::-1]
-                for side in order:
+                for side in timing.side_order(sides, repeat):
                     runs[side][mode].setdefault(str(batch), []).append(sides[side]())
             for side in sides:
-                figure = limits.spread(runs[side][mode][str(batch)])
-                print(f"{side:12s} {mode:7s} batch {batch:3d}: best {figure['best']:7.1f} "
+                figure = timing.spread(runs[side][mode][str(batch)])
+                print(f"{side:12s} {mode:7s} batch {batch:3d}: best {figure['max']:7.1f} "
                       f"median {figure['median']:7.1f} tok/s", flush=True)  # fmt: skip
-    tokens_per_s = {side: {m: {b: limits.spread(v) for b, v in by_batch.items()}
+    tokens_per_s = {side: {m: {b: timing.spread(v) for b, v in by_batch.items()}
                            for m, by_batch in by_mode.items()}
                     for side, by_mode in runs.items()}  # fmt: skip
 
@@ -205,9 +206,9 @@ def main(argv):
         ours, theirs = tokens_per_s["tlt_jax"][mode], tokens_per_s[other][mode]
         if inverse:  # the other side over ours
             ours, theirs = theirs, ours
-        return {b: round(ours[b]["best"] / theirs[b]["best"], 3) for b in theirs}
+        return {b: round(ours[b]["max"] / theirs[b]["max"], 3) for b in theirs}
 
-    best = {m: {b: f["best"] for b, f in tokens_per_s["tlt_jax"][m].items()} for m in FLAGS.modes}
+    best = {m: {b: f["max"] for b, f in tokens_per_s["tlt_jax"][m].items()} for m in FLAGS.modes}
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx_state(model)))
     bandwidth = limits.read_bandwidth_gbs()
     roofline = limits.matmul_gflops()

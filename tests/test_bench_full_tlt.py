@@ -44,7 +44,8 @@ def test_ratios_by_hand_over_measured_steps_of_each_pair():
                 1: [_row(1, 90.0, 40.0, 100), _row(2, 6.0, 3.0, 120)]},
     }  # fmt: skip
     s = bft.summarize(runs, warmup=1)  # step 1 compiles: not measured
-    assert s["step_speedup"]["n"] == 2
+    assert s["step_speedup"]["runs"] == pytest.approx([10 / 8, 12 / 6])
+    assert s["step_speedup"]["median"] == pytest.approx((10 / 8 + 12 / 6) / 2)
     assert s["step_speedup"]["mean"] == pytest.approx((10 / 8 + 12 / 6) / 2)
     assert s["step_speedup_excluding_compiles"]["mean"] == pytest.approx((8 / 7 + 12 / 6) / 2)
     assert s["rollout_speedup"]["min"] == pytest.approx(6 / 4)
@@ -55,7 +56,9 @@ def test_ratios_by_hand_over_measured_steps_of_each_pair():
     assert s["plain_run_to_run"]["mean"] == pytest.approx(10 / 12)
     # A run cut short: only the steps both runs of a pair logged are compared.
     runs["tlt"][1] = runs["tlt"][1][:1]
-    assert bft.summarize(runs, warmup=1)["step_speedup"]["n"] == 1
+    assert bft.summarize(runs, warmup=1)["step_speedup"]["runs"] == pytest.approx([10 / 8])
+    # No step measured by both runs of any pair: no figure (not a spread of nothing).
+    assert bft.summarize(runs, warmup=2)["step_speedup"] is None
 
 
 def test_refuses_a_used_workdir_and_nothing_to_measure(tmp_path):

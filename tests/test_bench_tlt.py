@@ -6,9 +6,10 @@ import math
 
 import jax
 import numpy as np
+import pytest
 from rl_testing import tiny_config
 
-from tlt_jax.rl.bench_tlt import _adopt_policy, _digest, bench_tlt
+from tlt_jax.rl.bench_tlt import _adopt_policy, _digest, _ratio_stats, bench_tlt
 from tlt_jax.rl.trainer import Trainer
 from tlt_jax.rollout.engine import Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -46,6 +47,17 @@ def test_bench_tlt_runs_both_sides_on_the_tiny_config():
     assert one["step_speedup_excluding_compiles"]["mean"] == (
         (plain["step_time"] - plain["compile_s"]) / (tlt["step_time"] - tlt["compile_s"])
     )
+
+
+def test_ratio_stats_by_hand():
+    """Plain / TLT per pair of runs as `timing.spread`; a pair whose TLT figure is 0 (no long
+    tail) has no ratio, and no ratio at all is None (NaN is not JSON)."""
+    stats = _ratio_stats([2.0, 3.0, 5.0], [1.0, 0.0, 2.0])
+    assert stats["runs"] == [2.0, 2.5] and stats["mean"] == stats["median"] == 2.25
+    assert (stats["min"], stats["max"]) == (2.0, 2.5)
+    assert _ratio_stats([1.0], [0.0]) is None
+    with pytest.raises(ValueError):  # the two sides ran another number of steps
+        _ratio_stats([1.0, 2.0], [1.0])
 
 
 def test_the_tlt_side_adopts_a_copy_of_the_plain_policy_down_to_its_engine(tmp_path):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rollout import limits
@@ -28,10 +26,3 @@ def test_probes_measure_something_positive():
     model = init_model(get_preset("tiny"))
     ms = limits.target_forward_ms(model, kv_len=32, widths=(1, 4, 8), repeats=2)
     assert set(ms) == {1, 4, 8} and all(t > 0 for t in ms.values())
-
-
-def test_spread():
-    assert limits.spread([3.0, 1.0, 2.0]) == {"best": 3.0, "median": 2.0, "worst": 1.0,
-                                               "runs": 3}  # fmt: skip
-    with pytest.raises(ValueError):
-        limits.spread([])

@@ -30,6 +30,15 @@ def test_median_step_ms_by_hand():
     assert timing.median_step_ms(timeline) == pytest.approx(200.0)  # 200, 100, 200
 
 
+def test_spread_by_hand():
+    """The one summary of every benchmark figure: the median and the mean (which one disturbed
+    round moves) side by side, the range, every value."""
+    assert timing.spread([4.0, 1.0, 1.0]) == {"median": 1.0, "mean": 2.0, "min": 1.0,
+                                              "max": 4.0, "runs": [4.0, 1.0, 1.0]}  # fmt: skip
+    with pytest.raises(ValueError, match="at least one round"):
+        timing.spread([])
+
+
 @pytest.mark.parametrize("source", [None, "eagle", "ngram", "hybrid"])
 def test_run_point_tokens_equal_plain_greedy(aligned, source):
     model, drafter = aligned
@@ -145,7 +154,7 @@ def test_round_ratios_pair_the_runs_of_one_round():
                              clean_runs=3),
                         dict(run(2.0), **plain, outputs=[], tokens_per_s=5.0,
                              e2e_tokens_per_s=1.0))  # fmt: skip
-    assert row["speedup_spread"] == {"median": 2.0, "min": 1.5, "max": 4.0,
+    assert row["speedup_spread"] == {"median": 2.0, "mean": 2.5, "min": 1.5, "max": 4.0,
                                      "runs": [2.0, 1.5, 4.0]}  # fmt: skip
     with pytest.raises(ValueError, match="2 engines for 1 sides"):
         bench.run_points([object(), object()], [], [(None, None)], 1)

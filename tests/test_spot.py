@@ -499,6 +499,7 @@ def test_bench_spot_compares_the_same_rollouts_with_spot_training_off_and_on(tmp
     assert len(result["straggler_s_off"]) == len(result["straggler_s_on"]) == 2
     assert len(result["straggler_slowdown_per_round"]) == 2
     assert 0 <= result["reclaimed_idle_share"]["max"] <= 1
+    assert len(result["reclaimed_idle_share"]["runs"]) == 2  # every round's share
 
 
 def test_drafter_buffer_round_trips_through_host_arrays():

@@ -14,9 +14,10 @@ pair alternating) so that a drifting machine speed cancels in the pairs' mean:
   drafter warm-started from `warm` (an HF-EAGLE export) or, without one, from a random init.
 
 The first `warmup` steps of every run (the programs compile there) are not measured. Ratios are
-plain / TLT per (pair, step), as mean and spread. The two plain runs of a benchmark decode the
-same tokens (same seeds, plain decoding: `plain_tokens_identical` checks the counts), so their
-step-time ratio (`plain_run_to_run`) is the machine's own noise, reported beside the speedups.
+plain / TLT per (pair, step), their mean, median and range (`timing.spread`). The two plain
+runs of a benchmark decode the same tokens (same seeds, plain decoding:
+`plain_tokens_identical` checks the counts), so their step-time ratio (`plain_run_to_run`) is
+the machine's own noise, reported beside the speedups.
 SD draws other samples than plain decoding from the same distribution, so response lengths
 differ between the sides; `rollout_per_token_speedup` does not depend on them.
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tlt_jax.metrics import timing
 from tlt_jax.metrics.writer import read_metrics
 
 SIDES = {
@@ -48,8 +50,7 @@ def run_order(pairs: int) -> list[tuple[int, str]]:
     """ABBA...: (pair, side) in the order they run."""
     if pairs < 1:
         raise ValueError(f"pairs={pairs!r} must be >= 1")
-    return [(k, side) for k in range(pairs)
-            for side in (("plain", "tlt") if k % 2 == 0 else ("tlt", "plain"))]  # fmt: skip
+    return [(k, side) for k in range(pairs) for side in timing.side_order(("plain", "tlt"), k)]
 
 
 def run_argv(config: str, workdir: Path, side: str, steps: int, warm: str | None,
@@ -77,13 +78,6 @@ def read_steps(workdir: Path) -> list[dict]:
     records = read_metrics(workdir)  # a torn last record (a killed run) is skipped
     by_step = {int(r["step"]): r for r in records if "step_time" in r}
     return [{"step": s, **{k: by_step[s].get(k) for k in PER_STEP}} for s in sorted(by_step)]
-
-
-def _spread(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    return {"mean": float(np.mean(values)), "min": float(np.min(values)),
-            "max": float(np.max(values)), "n": len(values)}  # fmt: skip
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -127,9 +121,11 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
             for key, value in values.items():
                 if value is not None:
                     ratios[key].append(float(value))
-    # bench_tlt.py's names: `step_speedup`, `step_speedup_excluding_compiles`, ...
+    # bench_tlt.py's names: `step_speedup`, `step_speedup_excluding_compiles`, ...; None
+    # where no step of any pair was measured by both runs.
     out: dict = {"step_speedup_excluding_compiles" if k == "step_excluding_compiles"
-                 else f"{k}_speedup": _spread(v) for k, v in ratios.items()}  # fmt: skip
+                 else f"{k}_speedup": timing.spread(v) if v else None
+                 for k, v in ratios.items()}  # fmt: skip
     measured = {side: [r for rows in by_pair.values() for r in rows if r["step"] > warmup]
                 for side, by_pair in runs.items()}  # fmt: skip
     out["phase_s"] = {side: {key: _mean(r[key] for r in rows) for key in (
@@ -151,8 +147,8 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
         out["plain_tokens_identical"] = all(
             by_a[s]["generated_tokens"] == by_b[s]["generated_tokens"] for s in both
         )
-        out["plain_run_to_run"] = _spread([by_a[s]["step_time"] / by_b[s]["step_time"]
-                                           for s in both if s > warmup])  # fmt: skip
+        noise = [by_a[s]["step_time"] / by_b[s]["step_time"] for s in both if s > warmup]
+        out["plain_run_to_run"] = timing.spread(noise) if noise else None
     return out
 
 

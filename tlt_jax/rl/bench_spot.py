@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tlt_jax.metrics import timing
 from tlt_jax.rl.config import TrainConfig
 
 
@@ -57,10 +58,6 @@ def reproducing_command(argv: list[str], env: dict[str, str]) -> str:
     return command
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def bench_spot(config: TrainConfig, workdir: str | Path, *, rounds: int = 3) -> dict[str, Any]:
     """Runs the comparison (every process of the run calls it); returns the figures."""
     from tlt_jax.rl.trainer import Trainer
@@ -78,7 +75,7 @@ def bench_spot(config: TrainConfig, workdir: str | Path, *, rounds: int = 3) -> 
         tokens: dict[str, list] = {}
         key = 1
         for r in range(rounds):
-            for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            for side in timing.side_order(("off", "on"), r):
                 key += 1
                 group.barrier(f"bench_spot/{key}")  # every process starts together
                 comps, stats = trainer.rollout(requests, step=key, spot=side == "on")
@@ -102,14 +99,14 @@ def bench_spot(config: TrainConfig, workdir: str | Path, *, rounds: int = 3) -> 
             "straggler_s_on": on,
             "straggler_slowdown": statistics.median(on) / statistics.median(off) - 1.0,
             "straggler_slowdown_per_round": ratios,
-            "reclaimed_idle_share": _spread([s["reclaimed"] for s in sides["on"]]),
-            "idle_slice_s": _spread([s["idle_slice_s"] for s in sides["on"]]),
+            "reclaimed_idle_share": timing.spread([s["reclaimed"] for s in sides["on"]]),
+            "idle_slice_s": timing.spread([s["idle_slice_s"] for s in sides["on"]]),
             "drafter_steps_per_round": steps,
             "dropped_steps_per_round": [s["spot_dropped_steps"] for s in sides["on"]],
             "preempted_windows_per_round": [s["spot_preempted_windows"] for s in sides["on"]],
-            "drafter_step_s": _spread([s["drafter_step_s"] for s in sides["on"]
-                                       if s["drafter_step_s"]]) if any(steps) else None,
-            "preemption_latency_s": _spread(latency) if latency else None,
+            "drafter_step_s": timing.spread([s["drafter_step_s"] for s in sides["on"]
+                                             if s["drafter_step_s"]]) if any(steps) else None,
+            "preemption_latency_s": timing.spread(latency) if latency else None,
             "tokens_identical": tokens["on"] == tokens["off"],
             "devices": [str(d) for d in jax.local_devices()],
             "wall_s": time.perf_counter() - start,

@@ -70,8 +70,7 @@ def _greedy(trainers: dict[str, Trainer], examples: list[dict], repeats: int, th
     out: dict[str, dict[str, Any]] = {name: {"s": [], "tail_s": []} for name in trainers}
     tokens = {}
     for repeat in range(repeats + 1):
-        order = list(trainers) if repeat % 2 == 0 else list(reversed(trainers))
-        for name in order:
+        for name in timing.side_order(trainers, repeat):
             engine = trainers[name].engine
             start = time.perf_counter()
             done = engine.generate(requests, progress=False)
@@ -108,12 +107,11 @@ def _digest(trainer: Trainer) -> float:
     return float(_abs_sum(trainer.state.params))
 
 
-def _ratio_stats(plain: list[float], tlt: list[float]) -> dict[str, float]:
+def _ratio_stats(plain: list[float], tlt: list[float]) -> dict | None:
+    """Plain / TLT of each pair of runs (a pair whose TLT figure is 0, e.g. no long tail, has
+    no ratio) as `timing.spread`; None when no pair has one (NaN is not JSON)."""
     ratios = [p / t for p, t in zip(plain, tlt, strict=True) if t > 0]
-    if not ratios:
-        return {"mean": float("nan"), "min": float("nan"), "max": float("nan")}
-    return {"mean": float(np.mean(ratios)), "min": float(np.min(ratios)),
-            "max": float(np.max(ratios))}  # fmt: skip
+    return timing.spread(ratios) if ratios else None
 
 
 def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int,
@@ -142,8 +140,7 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int,
                 if same_policy and k:  # both start every step from the plain side's policy
                     _adopt_policy(trainers["tlt"], trainers["plain"])
                 digests = {name: _digest(t) for name, t in trainers.items()}
-                order = list(trainers) if k % 2 == 0 else list(reversed(trainers))
-                for name in order:
+                for name in timing.side_order(trainers, k):
                     record = trainers[name].run_step(examples[name])
                     if k >= warmup:
                         records[name].append({**record, "policy_digest": digests[name]})

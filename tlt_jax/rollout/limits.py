@@ -20,7 +20,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from tlt_jax.models.config import ModelConfig
@@ -81,10 +80,3 @@ def target_forward_ms(model: Transformer, kv_len: int, widths: Sequence[int] = (
             jax.block_until_ready(forward(params, layers, cache, tokens[t]))
             best[t] = min(best[t], time.perf_counter() - start)
     return {t: 1e3 * s for t, s in best.items()}
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    """Best (max), median and worst of throughputs from repeated runs."""
-    x = np.asarray(values, np.float64)
-    return {"best": float(x.max()), "median": float(np.median(x)), "worst": float(x.min()),
-            "runs": len(x)}  # fmt: skip
