@@ -39,6 +39,20 @@ def test_spread_by_hand():
         timing.spread([])
 
 
+def test_repeat_ratio_pairs_each_run_with_the_one_beside_it():
+    """bench_rollout's ratios: best over best, and each repeat's run over the other side's run
+    of the same repeat (the best runs, 60 and 25, came from different repeats)."""
+    best, spread = bench.repeat_ratio([50.0, 40.0, 60.0], [20.0, 25.0, 10.0])
+    assert best == pytest.approx(60.0 / 25.0)
+    assert spread["runs"] == pytest.approx([2.5, 1.6, 6.0])
+    assert spread["median"] == pytest.approx(2.5) and spread["mean"] == pytest.approx(10.1 / 3)
+    assert (spread["min"], spread["max"]) == pytest.approx((1.6, 6.0))
+    with pytest.raises(ValueError, match="2 runs against 3"):
+        bench.repeat_ratio([1.0, 2.0], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="0 runs against 0"):
+        bench.repeat_ratio([], [])
+
+
 @pytest.mark.parametrize("source", [None, "eagle", "ngram", "hybrid"])
 def test_run_point_tokens_equal_plain_greedy(aligned, source):
     model, drafter = aligned

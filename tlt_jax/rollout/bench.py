@@ -262,6 +262,25 @@ def round_ratios(a: dict, b: dict, figure) -> list[float]:
     return [figure(a["rounds"][r]) / figure(b["rounds"][r]) for r in both]
 
 
+def repeat_ratio(ours, theirs) -> tuple[float, dict]:
+    """One side's tokens/s over another's at one point, from their runs repeat by repeat (the
+    two runs of a repeat ran next to each other: `scripts/bench_rollout.py`).
+
+    Returns:
+      (best over best: what each side reaches on its quietest run, the two runs perhaps far
+      apart; `timing.spread` of the per-repeat ratios: each run over the one beside it, so a
+      disturbance of the machine shows as their spread instead of as one side's best).
+
+    Raises:
+      ValueError: when the sides ran another number of repeats, or none.
+    """
+    if len(ours) != len(theirs) or not len(ours):
+        raise ValueError(f"{len(ours)} runs against {len(theirs)}: expected the same number of "
+                         "repeats (at least one) on both sides")  # fmt: skip
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return max(ours) / max(theirs), timing.spread(ratios)
+
+
 def decode_tokens_per_s(run: dict) -> float:
     return run["decode_tokens"] / run["decode_s"]
 
