@@ -208,6 +208,43 @@ def test_eager_and_lazy_plain_steps_alternate_in_the_switch_cost(aligned, monkey
     )
 
 
+def test_step_breakdown_alternates_plain_and_sd_runs(aligned, monkeypatch):
+    """The engine's side of `step_breakdown`: `engine_speedup` pairs neighbouring runs (all
+    plain runs, then all SD runs, put a drift of the machine between the sides),
+    `plain_step_median_ms` is a plain run's own median step (it read the engine's last
+    timeline, which alternation can make an SD run's), and the programs that follow time the
+    state an SD run left."""
+    model, drafter = aligned
+    prompt = random_prompts(1, model.config.vocab_size, seed=13)[0]
+    timed_runs, generates = [], []
+    timed, generate = bench.timed_generate, bench.RolloutEngine.generate
+
+    def spy_timed(engine, requests):
+        result = timed(engine, requests)
+        timed_runs.append((type(engine.step_policy).__name__, result.get("median_step_ms")))
+        return result
+
+    def spy_generate(self, requests, **kwargs):
+        generates.append(type(self.step_policy).__name__)
+        return generate(self, requests, **kwargs)
+
+    monkeypatch.setattr(bench, "timed_generate", spy_timed)
+    monkeypatch.setattr(bench.RolloutEngine, "generate", spy_generate)
+    choice = StepChoice(SpecStrategy(2, 2, 3), "eagle")
+    engine, out = spec_bench.engine_steps(model, drafter, prompt, choice, None,
+                                          bench.kv_length([prompt], 6), new_tokens=6)  # fmt: skip
+    sides = [policy for policy, _ in timed_runs]
+    first = {k: sides.index(k) for k in ("PlainPolicy", "FixedPolicy")}
+    last = {k: len(sides) - 1 - sides[::-1].index(k) for k in first}
+    assert first["FixedPolicy"] < last["PlainPolicy"] and first["PlainPolicy"] < last["FixedPolicy"]
+    assert out["plain_step_median_ms"] in [ms for p, ms in timed_runs if p == "PlainPolicy"]
+    # The programs run on SD's state (two rounds end on a plain run: one more SD run follows).
+    assert generates[-1] == "FixedPolicy", (sides, generates)
+    assert any(arm != "plain" for _, _, arm in engine.stats.timeline)
+    spread = out["engine_speedup_spread"]
+    assert spread is not None and len(spread["runs"]) >= 1
+
+
 def test_bench_fixed_ngram_runs_without_a_drafter(aligned):
     model, _ = aligned
     prompts = random_prompts(2, model.config.vocab_size, seed=8)

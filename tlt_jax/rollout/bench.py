@@ -138,7 +138,8 @@ def logit_parity(reference, other, tokens) -> dict[str, float]:
 
 
 def timed_generate(engine: RolloutEngine, requests) -> dict[str, Any]:
-    """One generate() call: decode-only and end-to-end figures, outputs, step and arm counts."""
+    """One generate() call: decode-only and end-to-end figures, outputs, step and arm counts,
+    and `median_step_ms`, this run's own median step (None without a decode step)."""
     stats = engine.stats
     steps, compiles = stats.spec_steps + stats.decode_steps, stats.compile_count
     rows, emitted = dict(stats.spec_rows_by_source), dict(stats.spec_tokens_by_source)
@@ -156,6 +157,7 @@ def timed_generate(engine: RolloutEngine, requests) -> dict[str, Any]:
         "outputs": [c.token_ids for c in out],
         "compiled": stats.compile_count != compiles,
         "arms": collections.Counter(arm for _, _, arm in stats.timeline),
+        "median_step_ms": median_step_ms(stats.timeline) if stats.timeline else None,
         "source_rows": {k: v - rows.get(k, 0) for k, v in stats.spec_rows_by_source.items()},
         "source_tokens": {
             k: v - emitted.get(k, 0) for k, v in stats.spec_tokens_by_source.items()
@@ -202,7 +204,9 @@ def run_points(engine, groups, sides, repeats: int) -> list[dict]:
 
     Returns:
       One `run_point` dict per side, in the order given; each also holds `rounds`, the totals
-      of its clean runs by round, from which `round_ratios` pairs two sides' runs.
+      of its clean runs by round, from which `round_ratios` pairs two sides' runs. A total
+      (and the best run's figures) sums its groups' runs, but for `median_step_ms`, one per
+      group (`timed_generate`'s: a median is no sum).
     """
     engines = list(engine) if isinstance(engine, list | tuple) else [engine] * len(sides)
     if len(engines) != len(sides):
@@ -236,6 +240,7 @@ def run_points(engine, groups, sides, repeats: int) -> list[dict]:
             side["clean"] += 1
             keys = ("decode_tokens", "decode_s", "tokens", "wall_s", "steps")
             total = {key: sum(r[key] for r in runs) for key in keys}
+            total["median_step_ms"] = [r["median_step_ms"] for r in runs]  # per group
             side["rounds"][round_] = total
             if side["best"] is None or total["decode_s"] < side["best"]["decode_s"]:
                 side["best"] = dict(total, accepted=[n for r in runs for n in r["accepted"]],

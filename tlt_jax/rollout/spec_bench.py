@@ -35,13 +35,20 @@ from typing import Any
 import numpy as np
 
 from tlt_jax.metrics import timing
-from tlt_jax.metrics.timing import median_step_ms
-from tlt_jax.rollout.adaptive import DRAFT_SOURCES, BanditConfig, ScheduledPolicy, StepChoice
+from tlt_jax.rollout.adaptive import (
+    DRAFT_SOURCES,
+    BanditConfig,
+    PlainPolicy,
+    ScheduledPolicy,
+    StepChoice,
+)
 from tlt_jax.rollout.bench import (
     WARM_TOKENS,
     bench_adaptive,
     best_ms,
     compare,
+    decode_tokens_per_s,
+    fixed_policy,
     kv_length,
     load_questions,
     make_engine,
@@ -52,7 +59,7 @@ from tlt_jax.rollout.bench import (
     step_ms,
     warm_up,
 )
-from tlt_jax.rollout.engine import DRAFTER_SYNC, Request
+from tlt_jax.rollout.engine import DRAFTER_SYNC, Request, RolloutEngine
 from tlt_jax.rollout.speculative import SpecStrategy
 
 log = logging.getLogger(__name__)
@@ -266,20 +273,51 @@ def measure_switch(model, drafter, requests, batches, lags, choice, hot_ids, kv_
     return out
 
 
+def engine_steps(model, drafter, prompt, choice: StepChoice, hot_ids, kv_len: int,
+                 new_tokens: int) -> tuple[RolloutEngine, dict]:  # fmt: skip
+    """The engine's own batch-1 plain and `choice` steps on `prompt` (`new_tokens` each; SD
+    drafting among `hot_ids`), their runs alternating (`run_points`), so that `engine_speedup`
+    and its spread pair neighbouring runs.
+
+    Returns:
+      (the engine, in the state an SD run left: its drafter in sync; `plain_step_in_engine_ms`
+      and `sd_step_in_engine_ms`, the mean step of each side's fastest run, host work included,
+      `plain_step_median_ms`, the fastest plain run's median step, `engine_accept_len`,
+      `engine_speedup` (fastest over fastest) and `engine_speedup_spread` (per round)).
+    """
+    engine = make_engine(model, drafter, 1, kv_len, ngram=False)
+    group = [[Request(tuple(prompt), new_tokens)]]
+    warm_up(engine, group, choice, hot_ids)
+    plain, sd = run_points(engine, group, [(None, None), (choice, hot_ids)], repeats=2)
+    if isinstance(engine.step_policy, PlainPolicy):  # the last run was plain: leave SD's state
+        engine.step_policy = fixed_policy(choice)
+        engine.generate(group[0], progress=False)
+    ratios = round_ratios(sd, plain, decode_tokens_per_s)  # each SD run over the plain beside it
+    return engine, {
+        "plain_step_in_engine_ms": step_ms(plain),
+        "plain_step_median_ms": plain["median_step_ms"][0],
+        "sd_step_in_engine_ms": step_ms(sd),
+        "engine_accept_len": sd["accept_len"],
+        "engine_speedup": sd["tokens_per_s"] / plain["tokens_per_s"],
+        "engine_speedup_spread": timing.spread(ratios) if ratios else None,
+    }
+
+
 def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engine_hot_ids,
                    kv_len: int, new_tokens: int, iters: int = 10) -> dict:  # fmt: skip
     """(d): each program of a batch-1 EAGLE step, and their parts, timed alone on a real state.
 
-    First the engine's plain and SD steps on `prompt` (`new_tokens` each; SD drafting among
-    `engine_hot_ids`), then, on the state SD left (drafter in sync), the public programs of
-    `speculative` alone (draft with the full head, with the `hot_ids` columns sliced once as the
-    engine does, and sliced in the draft step; tree, verify) and parts:
+    First the engine's plain and SD steps on `prompt` (`engine_steps`; SD drafting among
+    `engine_hot_ids`), then, on the state an SD run left (drafter in sync), the public programs
+    of `speculative` alone (draft with the full head, with the `hot_ids` columns sliced once as
+    the engine does, and sliced in the draft step; tree, verify) and parts:
     one draft level's LM head (full and hot), acceptance, and the target forward (with logits)
     over 1 .. 16 new tokens (what a wider tree costs to verify). Host overhead = the engine's
     SD step - its programs; `break_even_accept_len` = programs / the engine's plain step (a
-    lower bound: each program's best time alone, without host work, over the engine's median
-    plain step with it); `break_even_accept_len_in_engine` = the engine's SD step / its plain
-    step, both means over their timed runs with host work.
+    lower bound: each program's best time alone, without host work, over the median step of
+    the engine's fastest plain run, `plain_step_median_ms`, with it);
+    `break_even_accept_len_in_engine` = the engine's SD step / its plain step, each the mean
+    step of its side's fastest run, host work included.
     """
     import jax
     import jax.numpy as jnp
@@ -292,12 +330,9 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
     from tlt_jax.rollout.draft_tree import DraftTree
 
     # The engine's own steps first, so that step and program times see the same machine load.
-    engine = make_engine(model, drafter, 1, kv_len, ngram=False)
-    group, choice = [[Request(tuple(prompt), new_tokens)]], StepChoice(strategy, "eagle")
-    warm_up(engine, group, choice, engine_hot_ids)
-    plain = run_point(engine, group, None, None, repeats=2)
-    plain_median_ms = median_step_ms(engine.stats.timeline)  # the last (plain) run's steps
-    sd = run_point(engine, group, choice, engine_hot_ids, repeats=2)
+    engine, in_engine = engine_steps(model, drafter, prompt, StepChoice(strategy, "eagle"),
+                                     engine_hot_ids, kv_len, new_tokens)  # fmt: skip
+    plain_median_ms = in_engine["plain_step_median_ms"]
     state, params, dparams = engine.state, engine.params, engine.drafter_params
     layers, graphdef, dconfig = engine.layers, engine.graphdef, engine.drafter_config
     kv_len = state.cache.length  # the engine's last cache size (the programs read exactly it)
@@ -375,8 +410,7 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
         )
         widths[str(width)] = best_ms(target_jit, params, layers, state, chain, iters=iters)
     out["target_forward_ms_by_tokens"] = widths
-    out["plain_step_in_engine_ms"] = 1e3 * plain["decode_s"] / plain["steps"]
-    out["plain_step_median_ms"] = plain_median_ms
+    out.update(in_engine)
     for suffix, draft_key in (("", "draft_full_ms"), ("_hot", "draft_hot_ms")):
         if draft_key in out:
             out[f"sd_programs{suffix}_ms"] = (out[draft_key] + out["tree_ms"] + out["verify_ms"]
@@ -385,12 +419,9 @@ def step_breakdown(model, drafter, prompt, strategy: SpecStrategy, hot_ids, engi
             out[f"break_even_accept_len{suffix}"] = out[f"sd_programs{suffix}_ms"] / plain_median_ms
     programs = out["sd_programs_ms" if engine_hot_ids is None else "sd_programs_hot_ms"]
     out["engine_hot_vocab"] = engine_hot_ids is not None
-    out["sd_step_in_engine_ms"] = 1e3 * sd["decode_s"] / sd["steps"]
     out["sd_host_overhead_ms"] = out["sd_step_in_engine_ms"] - programs
     out["break_even_accept_len_in_engine"] = (out["sd_step_in_engine_ms"]
                                               / out["plain_step_in_engine_ms"])  # fmt: skip
-    out["engine_accept_len"] = sd["accept_len"]
-    out["engine_speedup"] = sd["tokens_per_s"] / plain["tokens_per_s"]
     return out
 
 
