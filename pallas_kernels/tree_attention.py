@@ -402,6 +402,22 @@ def _tree_attention_impl(
     )
 
 
+def target_platform() -> str:
+    """The backend the kernel is built for, spelt as ``jax.default_backend()`` spells it.
+
+    The device of the abstract mesh in context where it names one
+    (``jax.sharding.use_abstract_mesh`` with an ``AbstractDevice``), else the default backend.
+    A program lowered for an accelerator on a machine without one (``tlt_jax.rl.fit``) then
+    holds that accelerator's kernel: with the default backend it held the CPU's, the Pallas
+    interpreter. jit's trace cache keys on the abstract mesh, so no trace is reused across
+    targets.
+    """
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None:
+        return jax.default_backend()
+    return "gpu" if device.platform in ("cuda", "rocm") else device.platform
+
+
 @functools.partial(jax.jit, static_argnames=["sm_scale", "block_sizes", "interpret"])
 def tree_attention(
     q_BxTxNxH: jax.Array,
@@ -430,7 +446,8 @@ def tree_attention(
             token ``j`` (its ancestors and itself; the diagonal must be True).
         sm_scale: logit scale, default ``H ** -0.5``.
         block_sizes: tiles; default ``BlockSizes.get_default`` for the backend and shapes.
-        interpret: run the kernel in the Pallas interpreter; default True on CPU only.
+        interpret: run the kernel in the Pallas interpreter; default True when the target
+            (``target_platform``) is the CPU.
 
     Returns:
         out_BxTxNxH in q's dtype, accumulated in float32.
@@ -447,7 +464,7 @@ def tree_attention(
         v_tree_BxTxKxH,
         tree_mask_BxTxT,
     )
-    platform = jax.default_backend()
+    platform = target_platform()
     if interpret is None:
         interpret = platform == "cpu"
     if sm_scale is None:

@@ -116,3 +116,19 @@ def test_fit_report_script(tmp_path):
     assert [(r["preset"], r["mesh"]) for r in rows] == [("qwen2_5_7b", "2x4")]
     assert rows[0]["temporaries"] == "not measured (abstract mesh)"
     assert "| qwen2_5_7b | 2x4 |" in md.read_text()
+
+
+def test_pallas_programs_lowered_for_cuda_hold_the_triton_kernel():
+    """With spec.attention_impl=pallas the programs lowered for CUDA on a CPU hold the Triton
+    kernel. They held the Pallas interpreter, the CPU's form, since the kernel chose by the
+    default backend; and jax 0.11's Triton lowering raises "No supported GPU devices found"
+    unless an abstract GPU is named (`fit.ABSTRACT_DEVICES`)."""
+    raw = load_config_dict("qwen2_5_7b_gsm8k")
+    raw.data.name = "arithmetic"
+    raw.spec.attention_impl = "pallas"
+    config = TrainConfig.from_config_dict(raw)
+    model = get_preset("tiny", dtype="bfloat16")
+    programs = fit.lower_programs(config, model, fit.make_mesh((2, 2)), platform="cuda",
+                                  only=("decode", "draft", "verify"))  # fmt: skip
+    for name, lowered in programs.lowered.items():
+        assert "custom_call @__gpu$xla.gpu.triton" in lowered.as_text(), name

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh
 
 from tlt_jax.drafter import trainer as drafter_trainer
 from tlt_jax.models.config import ModelConfig
@@ -61,6 +61,16 @@ MEMORY_GB = {"H200": 141.0, "TPU v5p": 95.0}
 # Share of a chip's memory a run can plan with (runtime, fragmentation; on GPU raise
 # XLA_PYTHON_CLIENT_MEM_FRACTION from its 0.75 default to use it).
 USABLE_FRACTION = 0.9
+# The chip an abstract mesh's programs are lowered for, per platform (`lower_programs`). Kernels
+# choose their form by it (`pallas_kernels.tree_attention.target_platform`: the Pallas
+# interpreter otherwise, the CPU's form), and jax 0.11's Triton lowering reads the compute
+# capability from it ("No supported GPU devices found" without one). TPU is not named: the
+# Mosaic kernel would raise on every mesh of more than one device (Mosaic calls are not
+# partitioned automatically, and the model's Pallas path is not in a shard_map), so a TPU
+# lowering of spec.attention_impl=pallas still holds the interpreter.
+ABSTRACT_DEVICES = {
+    "cuda": AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu"),
+}
 
 
 def tensor_degree(model: ModelConfig, devices: int, most: int = 8) -> int:
@@ -172,12 +182,19 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
       config: the run (its sizes, SD strategies, optimizer, update layout).
       model: the policy's architecture.
       mesh: an `AbstractMesh` (lowering only) or a device `Mesh` (the results also compile).
+        An abstract mesh is given the platform's `ABSTRACT_DEVICES` chip and the programs
+        are traced and lowered under it (`jax.sharding.use_abstract_mesh`).
       platform: the backend lowered for ("cpu", "cuda", "tpu").
       only: a subset of `PROGRAMS`.
     """
     unknown = sorted(set(only) - set(PROGRAMS))
     if unknown:
         raise ValueError(f"programs {unknown} are unknown; expected a subset of {PROGRAMS}")
+    target = contextlib.nullcontext
+    if isinstance(mesh, AbstractMesh) and platform in ABSTRACT_DEVICES:
+        mesh = AbstractMesh(mesh.axis_sizes, mesh.axis_names, axis_types=mesh.axis_types,
+                            abstract_device=ABSTRACT_DEVICES[platform])  # fmt: skip
+        target = functools.partial(jax.sharding.use_abstract_mesh, mesh)
     data = mesh.shape["data"]
     geo = Geometry.of(config, data)
     rollout_rules = sharding_lib.rules_for("rollout")
@@ -277,16 +294,17 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
     for name in only:
         start = time.perf_counter()
         if name == "train_grad":
-            lowered[name] = policy.lower_grad_program(
-                config, plan, prompt_len=geo.prompt_len, response_len=geo.response_len,
-                platform=platform,
-            )  # fmt: skip
+            with target():
+                lowered[name] = policy.lower_grad_program(
+                    config, plan, prompt_len=geo.prompt_len, response_len=geo.response_len,
+                    platform=platform,
+                )  # fmt: skip
         else:
             make_fn, make_args, donate, role = specs[name]
             # As the engine lowers them: row math per device (`sharding.rowwise`).
             rows = (sharding_lib.rows_per_device(mesh) if role == "rollout"
                     else contextlib.nullcontext())  # fmt: skip
-            with sharding_lib.use_sharding(mesh, sharding_lib.rules_for(role)), rows:
+            with target(), sharding_lib.use_sharding(mesh, sharding_lib.rules_for(role)), rows:
                 traced = jax.jit(make_fn(), donate_argnums=donate).trace(*make_args())
                 lowered[name] = traced.lower(lowering_platforms=(platform,))
         seconds[name] = time.perf_counter() - start
