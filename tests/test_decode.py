@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tlt_jax.models.decode import DecodeCache, cached_forward, move_row, unstack_layers
+from tlt_jax.models.decode import (
+    DecodeCache,
+    cached_forward,
+    head_major_attention,
+    move_row,
+    unstack_layers,
+)
 from tlt_jax.models.presets import get_preset
-from tlt_jax.models.transformer import KVCache, NewKV, init_model
+from tlt_jax.models.transformer import KVCache, NewKV, attention, init_model
 from tlt_jax.programs import memory_report
 from tlt_jax.rollout import engine as engine_lib
 from tlt_jax.rollout import speculative
@@ -153,3 +159,59 @@ def test_pallas_cached_forward_with_query_chunk(model):
     got, _ = model(ids, positions, cache=cache, cache_lens_B=lens, query_chunk=3,
                    attention_impl="pallas")  # fmt: skip
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _uniform_attention_case(b: int = 2, t: int = 4, s: int = 32, n: int = 4, kv: int = 2,
+                            h: int = 16):  # fmt: skip
+    """bfloat16 inputs whose attention weights are exact: zero queries make every visible
+    position's weight 1 / count, with cache lengths + T a power of two (16, 32). Each output
+    is then the mean of bfloat16 values, and the float64 mean is the answer up to one final
+    rounding to bfloat16."""
+    rng = np.random.default_rng(0)
+    bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    q = jnp.zeros((b, t, n, h), jnp.bfloat16)
+    k, v = bf16(b, t, kv, h), bf16(b, t, kv, h)
+    cache_k, cache_v = bf16(b, s, kv, h), bf16(b, s, kv, h)  # past each length: garbage
+    lens = np.asarray([16 - t, 32 - t], np.int32)[:b]
+    mask = jnp.ones((b, t, t), bool)
+    v64, cache_v64 = np.asarray(v, np.float64), np.asarray(cache_v, np.float64)
+    want = np.empty((b, t, n, h))
+    for row, length in enumerate(lens):
+        seen = np.concatenate([cache_v64[row, :length], v64[row]], 0)  # [length + T, K, H]
+        mean = seen.mean(0)  # [K, H]; query head j reads kv head j // (n // kv)
+        want[row] = np.repeat(mean, n // kv, axis=0)[None]
+    return (q, k, v, mask, cache_k, cache_v, jnp.asarray(lens)), want
+
+
+def _assert_rounded_once(got, want):
+    """`got` (bfloat16) is within half a bfloat16 ulp of `want`: one rounding of the exact
+    result, not several (two products each rounded, then their sum rounded, err by up to
+    1.5 ulp)."""
+    got = np.asarray(got, np.float64)
+    _, exponent = np.frexp(want)
+    half_ulp = np.ldexp(1.0, exponent - 9)  # bfloat16 keeps 8 significant bits
+    err = np.abs(got - want) / half_ulp
+    off = err > 1.0 + 1e-3
+    assert not off.any(), (f"{off.sum()} of {err.size} outputs are off by more than half an ulp "
+                           f"(worst: {err.max()} half ulps)")  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["token_major", "head_major", "query_chunk", "decode"])
+def test_bfloat16_attention_rounds_the_output_once(form):
+    """The cache's and the new tokens' value products are accumulated in float32 and added
+    before one rounding to bfloat16 (as the Pallas kernel and flash attention do), in every
+    XLA form of attention: rounding each product to bfloat16 and adding in bfloat16 put up to
+    three roundings on the output."""
+    (q, k, v, mask, cache_k, cache_v, lens), want = _uniform_attention_case()
+    head_k, head_v = jnp.transpose(cache_k, (0, 2, 3, 1)), jnp.transpose(cache_v, (0, 2, 1, 3))
+    if form == "decode":
+        fn = functools.partial(head_major_attention, q, k, v, mask, head_k, head_v, lens)
+    else:
+        layout = "head_major" if form == "head_major" else "token_major"
+        caches = (head_k, head_v) if form == "head_major" else (cache_k, cache_v)
+        fn = functools.partial(attention, q, k, v, mask, *caches, lens, impl="xla",
+                               query_chunk=2 if form == "query_chunk" else 0,
+                               cache_layout=layout)  # fmt: skip
+    got = jax.jit(fn)()
+    assert got.dtype == jnp.bfloat16
+    _assert_rounded_once(got, want)

@@ -192,8 +192,9 @@ def _model_xla_attention(q, k_cache, v_cache, cache_lens, k_tree, v_tree, tree_m
 
 def prepare_xla(inputs: CaseInputs) -> Prepared:
     """The attention the model runs with ``attention_impl="xla"``, the path the kernel replaces:
-    products in the input dtype with float32 scores (``preferred_element_type``), probabilities
-    cast back to the input dtype for the value product.
+    products of input-dtype operands with float32 results (``preferred_element_type``: the
+    scores, and the cache and tree value products, added before one rounding), probabilities
+    cast back to the input dtype for the value products.
 
     It reads the buffer the kernel is given. A dense call cannot skip a request's dead tail, and
     the static prefix it could be cut to (the longest request's length) is the whole buffer in

@@ -378,9 +378,11 @@ def attention(
 
 
 def _scores(equation: str, q: jax.Array, k: jax.Array) -> jax.Array:
-    """Attention logits in float32. XLA:CPU runs some batched products (a cache read in place)
-    with a dot kernel that has no bfloat16 x bfloat16 -> float32 form, so on CPU low-precision
-    operands are converted to float32 first (the cache copy that used to do it is gone)."""
+    """An attention product in float32: the logits, and the probabilities times the values
+    (whose cache and new-token parts are added before one rounding to the values' dtype).
+    XLA:CPU runs some batched products (a cache read in place) with a dot kernel that has no
+    bfloat16 x bfloat16 -> float32 form, so on CPU low-precision operands are converted to
+    float32 first (the cache copy that used to do it is gone)."""
 
     def native():
         return jnp.einsum(equation, q, k, preferred_element_type=jnp.float32)
@@ -418,10 +420,12 @@ def _dense_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, mask_BxTxT, cache_k_BxSxKx
     logits_cache = jnp.where(valid, logits_cache, neg)
     probs = jax.nn.softmax(jnp.concatenate([logits_cache, logits_new], axis=-1), axis=-1)
     probs = probs.astype(v_BxTxKxH.dtype)
-    out = jnp.einsum("BKGTS,BKSH->BTKGH" if head_major else "BKGTS,BSKH->BTKGH", probs[..., :s],
-                     cache_v_BxSxKxH.astype(probs.dtype))  # fmt: skip
-    out = out + jnp.einsum("BKGTt,BtKH->BTKGH", probs[..., s:], v_BxTxKxH)
-    return out.reshape(b, t, n, h)
+    # Both parts in float32, rounded once after the sum (bfloat16 products each rounded, then
+    # added in bfloat16, put up to three roundings on the output).
+    out = _scores("BKGTS,BKSH->BTKGH" if head_major else "BKGTS,BSKH->BTKGH", probs[..., :s],
+                  cache_v_BxSxKxH.astype(probs.dtype))  # fmt: skip
+    out = out + _scores("BKGTt,BtKH->BTKGH", probs[..., s:], v_BxTxKxH)
+    return out.reshape(b, t, n, h).astype(v_BxTxKxH.dtype)
 
 
 def attention_inputs(params: dict[str, jax.Array], x_BxTxD: jax.Array,
