@@ -3,6 +3,8 @@ against per-sequence forwards, `algorithms.policy_loss` and the padded layout.""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -290,21 +292,30 @@ def test_packed_logprobs_and_features_equal_per_sequence_forwards(tiny, row_len,
             np.testing.assert_allclose(np.asarray(feats)[i][valid[i]], full[0], atol=2e-5)
 
 
+@functools.cache
+def _programs(graphdef, algorithm, options):
+    """The log-prob and gradient programs, jitted once per model, algorithm and options (op
+    by op, the first layout's gradient took most of a minute)."""
+    logprob = jax.jit(functools.partial(step_lib.logprob_program, graphdef, temperature=1.0,
+                                        options=options))  # fmt: skip
+    grad = jax.jit(functools.partial(step_lib.grad_program, graphdef, algorithm=algorithm,
+                                     temperature=1.0, options=options))  # fmt: skip
+    return logprob, grad
+
+
 def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0, options=None):
     options = options or step_lib.ForwardOptions()
+    logprob_program, grad_program = _programs(graphdef, algorithm, options)
     lengths = np.asarray([len(r) for r in RESPONSES])
     weights = algorithms.token_weights(algorithm.loss_aggregation, lengths)
     metric = np.full(len(RESPONSES), 1.0 / lengths.sum())
     accum = step_lib.zero_accumulator(params)
     for micro in micros:
         batch = jax.tree.map(jnp.asarray, micro.batch)
-        old = step_lib.logprob_program(graphdef, params, batch, temperature=1.0,
-                                       options=options)[0]  # fmt: skip
+        old = logprob_program(params, batch)[0]
         inputs = step_lib.LossInputs(old - 0.05, old + ref_shift, micro.per_token(ADVANTAGES),
                                      micro.per_token(weights), micro.per_token(metric))  # fmt: skip
-        accum = step_lib.grad_program(graphdef, params, accum, batch, inputs,
-                                      algorithm=algorithm, temperature=1.0,
-                                      options=options)  # fmt: skip
+        accum = grad_program(params, accum, batch, inputs)
     return accum
 
 
