@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -712,28 +713,39 @@ def test_evaluate_run_scores_the_latest_checkpoint(tmp_path, monkeypatch):
     assert any(not np.array_equal(a, b) for a, b in zip(run_weights, untrained, strict=True))
 
 
-def test_evaluate_run_refuses_a_checkpoint_of_another_model(tmp_path, monkeypatch):
+def _train_one_step(workdir, **overrides):
+    """A tiny run of one step in `workdir`, closed (its checkpoint is step 1)."""
+    trainer = Trainer(tiny_config(total_steps=1, **overrides), workdir, progress=False)
+    trainer.train()
+    trainer.close()
+
+
+@contextlib.contextmanager
+def _no_model_load(before: str):
+    """Inside the block, loading the policy fails the test: `before` had to come first."""
+    from tlt_jax.rl import policy
+
+    def no_model(*args, **kwargs):
+        raise AssertionError(f"the model loaded before {before}")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(policy, "build_policy", no_model)
+        yield
+
+
+def test_evaluate_run_refuses_a_checkpoint_of_another_model(tmp_path):
     """`evaluate_run` never compared the checkpoint's model with the config's: evaluating
     under another model of the same shapes ran silently. It is refused before the model
     loads unless `checkpoint.allow_model_change`; evaluating on other data stays allowed."""
-    from tlt_jax.rl import policy
     from tlt_jax.rl.run import evaluate_run
 
-    trainer = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
-    trainer.train()
-    trainer.close()
-    build_policy = policy.build_policy
-
-    def no_model(*args, **kwargs):
-        raise AssertionError("the model loaded before the model's identity was checked")
-
-    monkeypatch.setattr(policy, "build_policy", no_model)
+    _train_one_step(tmp_path)
     other = {"eval.num_problems": 2, "model.init_seed": 1}
     message = re.escape("another model: model.init_seed (checkpoint 0, this run 1). Evaluate "
                         "with the checkpoint's model config")  # fmt: skip
-    with pytest.raises(ValueError, match=message):
-        evaluate_run(tiny_config(**other), tmp_path)
-    monkeypatch.setattr(policy, "build_policy", build_policy)
+    with _no_model_load("the model's identity was checked"):
+        with pytest.raises(ValueError, match=message):
+            evaluate_run(tiny_config(**other), tmp_path)
     step, result = evaluate_run(tiny_config(**{"eval.num_problems": 2, "data.seed": 5}),
                                 tmp_path)  # fmt: skip
     assert step == 1 and result.num_problems == 2
@@ -764,32 +776,23 @@ def test_a_resumed_run_reuses_the_before_evaluation_only_under_the_same_eval_set
     assert other["before"] is None and other["paired"] is None
 
 
-def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path, monkeypatch):
+def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path):
     """A run resumed with another `data` group used to only log a warning and then train on
     the other data from the checkpoint's position: it is refused before the model loads,
     naming each field with both values, and the checkpoint stays resumable;
     `checkpoint.allow_data_change` lets it through (a position past the new split's end
     starts the next epoch)."""
     from tlt_jax.data.pipeline import DataConfig
-    from tlt_jax.rl import policy
     from tlt_jax.rl.config import data_changes
 
-    first = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
-    first.train()
-    first.close()
-    build_policy = policy.build_policy
-
-    def no_model(*args, **kwargs):
-        raise AssertionError("the model loaded before the data config was checked")
-
-    monkeypatch.setattr(policy, "build_policy", no_model)
+    _train_one_step(tmp_path)
     changed = {"data.seed": 5, "data.instruction": "Answer."}
     message = re.escape(f"checkpoint {tmp_path / 'checkpoints'}/1 was written by a run with "
                         "another data config: data.instruction (checkpoint '', this run "
                         "'Answer.'), data.seed (checkpoint 0, this run 5).")  # fmt: skip
-    with pytest.raises(ValueError, match=message):
-        Trainer(tiny_config(total_steps=2, **changed), tmp_path, progress=False)
-    monkeypatch.setattr(policy, "build_policy", build_policy)
+    with _no_model_load("the data config was checked"):
+        with pytest.raises(ValueError, match=message):
+            Trainer(tiny_config(total_steps=2, **changed), tmp_path, progress=False)
     same = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
     assert same.restored_from == 1 and same.iterator.state() == {"epoch": 0, "index": 2}
     same.close()
@@ -805,30 +808,21 @@ def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path, 
     assert data_changes({"data": {}}, DataConfig(seed=3)) == {"data.seed": (0, 3)}
 
 
-def test_a_resume_of_another_model_is_refused_unless_allowed(tmp_path, monkeypatch):
+def test_a_resume_of_another_model_is_refused_unless_allowed(tmp_path):
     """A run with a KL penalty resumed with another `model.init_seed` only logged "changed
     config groups ['model']" and then took the other model as its KL reference (the
     reference is rebuilt from the loaded model, not checkpointed): it is refused before the
     model loads, naming the field with both values; `checkpoint.allow_model_change` lets it
     through. Fields that keep the weights (dtypes, mesh, architecture) are free."""
-    from tlt_jax.rl import policy
     from tlt_jax.rl.config import ModelSettings, model_changes
 
-    first = Trainer(tiny_config(total_steps=1, **{"rl.kl_coef": 0.5}), tmp_path, progress=False)
-    first.train()
-    first.close()
-    build_policy = policy.build_policy
-
-    def no_model(*args, **kwargs):
-        raise AssertionError("the model loaded before the model's identity was checked")
-
-    monkeypatch.setattr(policy, "build_policy", no_model)
+    _train_one_step(tmp_path, **{"rl.kl_coef": 0.5})
     other = {"rl.kl_coef": 0.5, "model.init_seed": 1}
     message = re.escape(f"checkpoint {tmp_path / 'checkpoints'}/1 was written by a run of "
                         "another model: model.init_seed (checkpoint 0, this run 1).")  # fmt: skip
-    with pytest.raises(ValueError, match=message):
-        Trainer(tiny_config(total_steps=2, **other), tmp_path, progress=False)
-    monkeypatch.setattr(policy, "build_policy", build_policy)
+    with _no_model_load("the model's identity was checked"):
+        with pytest.raises(ValueError, match=message):
+            Trainer(tiny_config(total_steps=2, **other), tmp_path, progress=False)
     allow = {"checkpoint.allow_model_change": True}
     allowed = Trainer(tiny_config(total_steps=1, **other, **allow), tmp_path, progress=False)
     assert allowed.restored_from == 1

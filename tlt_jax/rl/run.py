@@ -237,22 +237,20 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
     """
     cfg = _as_train_config(config)
     directory = None if workdir is None else Path(workdir) / "checkpoints"
-    if directory is not None and directory.is_dir():
-        checkpointer = RunCheckpointer(directory)
-        try:
+    checkpointer = (
+        RunCheckpointer(directory) if directory is not None and directory.is_dir() else None
+    )
+    try:
+        if checkpointer is not None:
             check_resumed_model(checkpointer, cfg, policy.weights_fingerprint(cfg.model),
                                 evaluating=True)  # fmt: skip
-        finally:
-            checkpointer.close()
-    examples = load_data(cfg.data, cfg.data.eval_split)
-    mesh = policy.build_mesh(cfg.model)
-    model = policy.build_policy(cfg.model, mesh)
-    tokenizer = policy.build_tokenizer(cfg.model)
-    engine = policy.build_engine(cfg, model)
-    step = 0
-    if directory is not None and directory.is_dir():
-        checkpointer = RunCheckpointer(directory)
-        if checkpointer.latest_step() is not None:
+        examples = load_data(cfg.data, cfg.data.eval_split)
+        mesh = policy.build_mesh(cfg.model)
+        model = policy.build_policy(cfg.model, mesh)
+        tokenizer = policy.build_tokenizer(cfg.model)
+        engine = policy.build_engine(cfg, model)
+        step = 0
+        if checkpointer is not None and checkpointer.latest_step() is not None:
             to_train, to_rollout = policy.resharding_copies(engine.params, mesh)
             optimizer = step_lib.make_optimizer(cfg.optim, cfg.total_steps)
             like = jax.eval_shape(
@@ -262,7 +260,9 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
             restored = checkpointer.restore(like)
             engine.update_params(to_rollout(restored.state.params))
             step = restored.step
-        checkpointer.close()
+    finally:
+        if checkpointer is not None:
+            checkpointer.close()
     n = cfg.eval.num_problems if num_problems is None else num_problems
     result = evaluation.evaluate(
         engine, policy.build_encoder(cfg, tokenizer),

@@ -111,6 +111,12 @@ def check_same_restore(group: ProcessGroup, step: int | None, directory) -> None
                                "that every process reads?")  # fmt: skip
 
 
+def _listed(changes: dict[str, tuple[Any, Any]]) -> str:
+    """`{"group.field": (checkpointed, this run's)}` as the resume checks' errors name them."""
+    return ", ".join(f"{name} (checkpoint {old!r}, this run {new!r})"
+                     for name, (old, new) in changes.items())  # fmt: skip
+
+
 def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig) -> bool:
     """Whether the run to resume (the latest checkpoint's) had another `data` config than
     `config`; reads only the checkpoint's config.
@@ -125,8 +131,7 @@ def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig) -> bo
     changes = data_changes(stored or {}, config.data)
     if not changes:
         return False
-    listed = ", ".join(f"{name} (checkpoint {old!r}, this run {new!r})"
-                       for name, (old, new) in changes.items())  # fmt: skip
+    listed = _listed(changes)
     if not config.checkpoint.allow_data_change:
         raise ValueError(
             f"checkpoint {checkpointer.directory}/{step} was written by a run with another data "
@@ -161,8 +166,7 @@ def check_resumed_model(checkpointer: RunCheckpointer, config: TrainConfig,
     changes = model_changes(stored, checkpointer.read_weights(step), config.model, weights)
     if not changes:
         return
-    listed = ", ".join(f"{name} (checkpoint {old!r}, this run {new!r})"
-                       for name, (old, new) in changes.items())  # fmt: skip
+    listed = _listed(changes)
     action = "evaluate" if evaluating else "resume"
     if not config.checkpoint.allow_model_change:
         raise ValueError(
