@@ -1,12 +1,21 @@
 """Test set-up: 8 fake CPU devices, set before JAX is imported anywhere."""
 
+import importlib.metadata
 import os
 
 # Tiny models compile far longer than they run: LLVM's -O0 halves the suite's compile seconds
 # (146 -> 83 s for tests/test_engine.py + test_speculative.py) and runs faster overall even
 # with real weights (matmuls are library calls either way). Subprocesses inherit it.
+#
+# XLA:CPU's fusion emitters (MLIR, the default since jaxlib 0.5) compile twice as long as the
+# legacy LLVM IR emitters for these programs: tests/test_engine.py 110 -> 49 compile seconds
+# (275 programs), tests/test_model.py (real weights) 81 -> 69 s in all. Only on the jaxlib it
+# was measured on: an XLA that no longer knows a flag aborts at start-up.
+_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false " if (
+    importlib.metadata.version("jaxlib").startswith("0.10.")) else ""  # fmt: skip
 os.environ["XLA_FLAGS"] = (
     "--xla_backend_optimization_level=0 "
+    + _LEGACY_EMITTERS
     + os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8"
 ).strip()
@@ -22,6 +31,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 # one to LLVM's object linking). It saved 358 s of a 33-minute run (before -O0 above).
 jax.config.update("jax_compilation_cache_dir", None)
 
+import contextlib  # noqa: E402
 import faulthandler  # noqa: E402
 import gc  # noqa: E402
 import sys  # noqa: E402
@@ -79,6 +89,38 @@ def _on_duration(event: str, duration: float, **_) -> None:
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _compiles_of(item, "setup"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _compiles_of(item, "call"):
+        return (yield)
+
+
+@contextlib.contextmanager
+def _compiles_of(item, phase):
+    """Adds the phase's compile seconds to the test's report (it is made after the phase), so
+    that the controller can name the tests that compile longest."""
+    before = _COMPILES["seconds"]
+    try:
+        yield
+    finally:
+        item.user_properties.append(("xla_compile_s", _COMPILES["seconds"] - before))
+
+
+_COMPILE_S_BY_TEST: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    for name, value in report.user_properties:
+        if name == "xla_compile_s" and report.when in ("setup", "call"):
+            _COMPILE_S_BY_TEST[report.nodeid] = _COMPILE_S_BY_TEST.get(report.nodeid, 0) + value
+
+
 def pytest_sessionfinish(session):
     """A pytest-xdist worker hands its compile count to the controller (`pytest_testnodedown`)."""
     workeroutput = getattr(session.config, "workeroutput", None)
@@ -98,3 +140,12 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"XLA: {_COMPILES['count']} compiles in {_COMPILES['seconds']:.0f} s"
     )
+    by_file: dict[str, float] = {}
+    for nodeid, seconds in _COMPILE_S_BY_TEST.items():
+        by_file[nodeid.split("::")[0]] = by_file.get(nodeid.split("::")[0], 0) + seconds
+    if by_file:
+        top = sorted(by_file.items(), key=lambda kv: -kv[1])[:8]
+        terminalreporter.write_line(
+            "XLA compile seconds by file (in-process): "
+            + ", ".join(f"{path.removeprefix('tests/')} {s:.0f}" for path, s in top)
+        )
