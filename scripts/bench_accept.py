@@ -14,12 +14,13 @@ continues where it stopped. Acceptance is a count, not a time: a busy machine sl
 not the figure (it changes how many drafter steps fit in the idle windows).
 """
 
-import json
 import os
 import sys
 from pathlib import Path
 
 from absl import app, flags
+
+from tlt_jax.files import to_json, write_json
 
 _CONFIG = flags.DEFINE_string("config", "configs/smollm2_arith.py", "Config file (train.py's).")
 _WARM = flags.DEFINE_string("warm_drafter", None, "The warm-up drafter (HF-EAGLE export).")
@@ -53,9 +54,9 @@ def main(argv):
                               _WARM.value, _EXTRA.value, env=env,
                               probe_prompts=_PROBE.value)  # fmt: skip
     result["command"] = command
-    print(json.dumps(result["summary"], indent=1))
+    print(to_json(result["summary"], indent=1))
     if _OUTPUT_JSON.value:
-        Path(_OUTPUT_JSON.value).write_text(json.dumps(result, indent=1))
+        write_json(_OUTPUT_JSON.value, result, indent=1)
         print(f"wrote {_OUTPUT_JSON.value}")
 
 

@@ -18,12 +18,12 @@ could speed up the tail.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 
 from absl import app, flags
+
+from tlt_jax.files import write_json
 
 _RESPONSES = flags.DEFINE_string("responses", None, "A warm-up workdir's responses.jsonl.")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results (JSON).")
@@ -70,7 +70,7 @@ def main(argv):
     start = time.perf_counter()
     result = measure(model, prompts, responses, depths=depths, widths=widths)
     result = {"command": command, "seconds": round(time.perf_counter() - start, 1), **result}
-    Path(_OUTPUT_JSON.value).write_text(json.dumps(result, indent=2))
+    write_json(_OUTPUT_JSON.value, result, indent=2)
     for part in ("all", "longest_quarter"):
         print(f"{part}: " + "  ".join(
             f"w{w}: " + " ".join(f"d{d}={result[part][f'top{w}_depth{d}']['accept_len']:.2f}"

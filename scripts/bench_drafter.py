@@ -17,14 +17,14 @@ one compile step, with the per-round ratios' spread.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from absl import app, flags
+
+from tlt_jax.files import to_json, write_json
 
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results (JSON).")
 _MODEL = flags.DEFINE_string("model", "smollm2_135m", "Model preset (shapes only).")
@@ -116,10 +116,10 @@ def main(argv):
         },  # fmt: skip
         "loadavg_1min": os.getloadavg()[0],
     }
-    print(json.dumps(out, indent=2))
+    print(to_json(out, indent=2))
     print(f"command: {command}")
     if _OUTPUT_JSON.value:
-        Path(_OUTPUT_JSON.value).write_text(json.dumps(out, indent=2))
+        write_json(_OUTPUT_JSON.value, out, indent=2)
 
 
 if __name__ == "__main__":

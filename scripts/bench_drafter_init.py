@@ -24,12 +24,12 @@ batches. Variants are `init:learning_rate`, inits:
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 
 from absl import app, flags
+
+from tlt_jax.files import to_json, write_json
 
 INITS = ("random", "random_fc_feature_identity", "target_last_layer",
          "target_last_layer_zero_out")  # fmt: skip
@@ -165,10 +165,10 @@ def main(argv):
         "harvest_s": round(harvest_s, 1),
         "variants": results,
     }
-    print(json.dumps({k: v["final"] for k, v in results.items()}, indent=1))
+    print(to_json({k: v["final"] for k, v in results.items()}, indent=1))
     print(f"command: {command}")
     if _OUTPUT_JSON.value:
-        Path(_OUTPUT_JSON.value).write_text(json.dumps(out, indent=1))
+        write_json(_OUTPUT_JSON.value, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ slices on two CPU devices (`XLA_FLAGS` is set for it). The first `--warmup` step
 compile and are not measured (`tlt_jax/rl/bench_full_tlt.py`). Give the run the machine.
 """
 
-import json
 import os
 import sys
 from pathlib import Path
 
 from absl import app, flags
+
+from tlt_jax.files import to_json, write_json
 
 _CONFIG = flags.DEFINE_string("config", "configs/smollm2_arith.py", "Config file (train.py's).")
 _WARM = flags.DEFINE_string(
@@ -55,9 +56,9 @@ def main(argv):
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     result["command"] = command
-    print(json.dumps(result["summary"], indent=1))
+    print(to_json(result["summary"], indent=1))
     if _OUTPUT_JSON.value:
-        Path(_OUTPUT_JSON.value).write_text(json.dumps(result, indent=1))
+        write_json(_OUTPUT_JSON.value, result, indent=1)
         print(f"wrote {_OUTPUT_JSON.value}")
     if result["errors"]:
         print(f"runs that failed: {result['errors']}", file=sys.stderr)

@@ -18,11 +18,11 @@ so naive/bucketed = 4.5x (spec) and 6.8x (paper) in executable memory (TLT: 2.8x
 """
 
 import dataclasses
-import json
 import sys
-from pathlib import Path
 
 from absl import app, flags
+
+from tlt_jax.files import to_json, write_json
 
 flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Policy: HF directory, .gguf or short name.")
@@ -66,10 +66,10 @@ def main(argv):
     command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
     print(f"command: {command}", flush=True)
     result = {"command": command, **pool_bench.run(config)}
-    print(json.dumps(result, indent=2))
+    print(to_json(result, indent=2))
     print(f"command: {command}")
     if FLAGS.output_json:
-        Path(FLAGS.output_json).write_text(json.dumps(result, indent=2))
+        write_json(FLAGS.output_json, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from tlt_jax.files import write_json
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
     "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
@@ -105,8 +107,7 @@ def main(argv):
     else:
         result = bench_rl_step(FLAGS.config, steps=FLAGS.steps, warmup=FLAGS.warmup)
     result["command"] = command
-    with open(FLAGS.output_json, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(FLAGS.output_json, result, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k not in ("per_step", "config")},
                      indent=2, default=str)[:20000])  # fmt: skip
 

@@ -33,11 +33,12 @@ a tree of 4 / 8 tokens over a 1-token forward at batch 1 (`verify4_over_plain_bs
 """
 
 import dataclasses
-import json
 import sys
 import time
 
 from absl import app, flags
+
+from tlt_jax.files import to_json, write_json
 
 flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Model path or short name.")
@@ -225,6 +226,10 @@ def main(argv):
     # The engine's batch-1 plain step (host work included) at one kv bucket of 128 / 2048.
     step_ms = {str(kv): bench.decode_step_ms(model, kv) for kv in (128, 2048)}
     reference = "greedy" if "greedy" in best else FLAGS.modes[0]
+
+    def fraction(tokens_per_s, limit_tokens_per_s):  # None (null) where the batch was not run
+        return None if tokens_per_s is None else tokens_per_s / limit_tokens_per_s
+
     out = {
         "command": command,
         "model": FLAGS.model,
@@ -238,12 +243,12 @@ def main(argv):
         "param_bytes": param_bytes,
         "read_bandwidth_gbs": bandwidth,
         "bandwidth_floor_tokens_per_s_bs1": floor_tps,
-        "bandwidth_floor_fraction_bs1": best[reference].get("1", float("nan")) / floor_tps,
+        "bandwidth_floor_fraction_bs1": fraction(best[reference].get("1"), floor_tps),
         "matmul_roofline_gflops_f32": roofline,
         "decode_gflops_per_token": flops / 1e9,
-        "compute_roofline_fraction_bs32": (
-            best[reference].get("32", float("nan")) * flops / (roofline * 1e9)
-        ),  # fmt: skip
+        "compute_roofline_fraction_bs32": fraction(
+            best[reference].get("32"), roofline * 1e9 / flops
+        ),
         "decode_step_ms_bs1_by_kv_len": step_ms,
         "target_forward_ms_by_tokens_bs1": verify,
         "verify4_over_plain_bs1": verify[4] / verify[1],
@@ -272,11 +277,10 @@ def main(argv):
                 out[f"ratio_vs_transformers{suffix}"] = ratio("greedy", spread=spread)
             if "sampled" in FLAGS.modes:
                 out[f"ratio_vs_transformers_sampled{suffix}"] = ratio("sampled", spread=spread)
-    print(json.dumps(out, indent=2))
+    print(to_json(out, indent=2))
     print(f"command: {command}")
     if FLAGS.output_json:
-        with open(FLAGS.output_json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(FLAGS.output_json, out, indent=2)
 
 
 def greedy_continuation(model, prompt, new_tokens):

@@ -13,11 +13,12 @@ policy per batch size, runs alternating, `adaptive_over_plain` (`bench.bench_ada
 """
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 from absl import app, flags
+
+from tlt_jax.files import to_json, write_json
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
@@ -64,10 +65,10 @@ def main(argv):
     command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
     print(f"command: {command}", flush=True)
     result = {"command": command, **spec_bench.run(config)}
-    print(json.dumps(result, indent=2))
+    print(to_json(result, indent=2))
     print(f"command: {command}")
     if FLAGS.output_json:
-        Path(FLAGS.output_json).write_text(json.dumps(result, indent=2))
+        write_json(FLAGS.output_json, result, indent=2)
 
 
 if __name__ == "__main__":

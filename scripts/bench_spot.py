@@ -10,7 +10,6 @@ training off and on side by side, alternating, `--rounds` times, plain decoding 
 (`tlt_jax/rl/bench_spot.py`). Process 0 prints the command and writes the JSON.
 """
 
-import json
 import os
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import tempfile
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
+
+from tlt_jax.files import to_json, write_json
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -53,9 +54,8 @@ def main(argv):
     result = bench_spot(config, f"{workdir}/{jax.process_index()}", rounds=FLAGS.rounds)
     result["command"] = command
     if primary:
-        with open(FLAGS.output_json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(json.dumps(result, indent=2))
+        write_json(FLAGS.output_json, result, indent=2)
+        print(to_json(result, indent=2))
 
 
 if __name__ == "__main__":

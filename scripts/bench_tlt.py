@@ -14,12 +14,13 @@ measures the engines; `--nosame_policy` lets each side follow its own samples. R
 plain / TLT (`tlt_jax/rl/bench_tlt.py`).
 """
 
-import json
 import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
+
+from tlt_jax.files import to_json, write_json
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -55,8 +56,7 @@ def main(argv):
                        greedy_repeats=FLAGS.greedy_repeats,
                        same_policy=FLAGS.same_policy)  # fmt: skip
     result["command"] = command
-    with open(FLAGS.output_json, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(FLAGS.output_json, result, indent=2)
     stem = FLAGS.output_json.removesuffix(".json")
     for m, r in result["by_batch"].items():
         # Reward and accuracy of both sides per step (same seeds; with --same_policy both
@@ -71,7 +71,7 @@ def main(argv):
     hidden = ("per_step", "calibration", "last_timeline", "response_lengths")
     summary = {m: {k: v for k, v in r.items() if k not in hidden}
                for m, r in result["by_batch"].items()}  # fmt: skip
-    print(json.dumps(summary, indent=2))
+    print(to_json(summary, indent=2))
 
 
 if __name__ == "__main__":

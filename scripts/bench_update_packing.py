@@ -21,6 +21,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from tlt_jax.files import to_json, write_json
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
     "config",
@@ -81,9 +83,8 @@ def main(argv):
         repeats=FLAGS.repeats,
     )  # fmt: skip
     result["command"] = command
-    with open(FLAGS.output_json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
+    write_json(FLAGS.output_json, result, indent=2)
+    print(to_json(result, indent=2))
 
 
 if __name__ == "__main__":

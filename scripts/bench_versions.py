@@ -15,7 +15,6 @@ show the steady state, so run enough steps to see both.
 
 import dataclasses
 import importlib
-import json
 import re
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from pathlib import Path
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from tlt_jax.files import to_json, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 _CONFIG = config_flags.DEFINE_config_file("config", str(REPO / "configs/smollm2_arith.py"),
@@ -176,10 +177,10 @@ def main(argv):
         out["update_tokens_computed"] = {
             name: [int(r["update_tokens_computed"]) for r in recs] for name, recs in records.items()
         }  # fmt: skip
-    print(json.dumps(out, indent=2))
+    print(to_json(out, indent=2))
     print(f"command: {command}")
     if _OUTPUT.value:
-        Path(_OUTPUT.value).write_text(json.dumps(out, indent=2))
+        write_json(_OUTPUT.value, out, indent=2)
 
 
 if __name__ == "__main__":

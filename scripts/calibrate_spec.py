@@ -10,11 +10,12 @@ and the threshold: the largest bucket whose ratio is below `--max_cost_ratio`. P
 `--config.spec.calibration_file` at the file.
 """
 
-import json
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from tlt_jax.files import to_json
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -52,7 +53,7 @@ def main(argv):
                        temperature=cfg.rollout.temperature, max_cost_ratio=FLAGS.max_cost_ratio,
                        seed=cfg.seed)  # fmt: skip
     result.save(FLAGS.output_json)
-    print(json.dumps({**result.to_dict(), "command": command}, indent=1))
+    print(to_json({**result.to_dict(), "command": command}, indent=1))
 
 
 if __name__ == "__main__":

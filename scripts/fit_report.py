@@ -25,7 +25,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import importlib.util  # noqa: E402
-import json  # noqa: E402
 import shlex  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -33,6 +32,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from tlt_jax.files import write_json  # noqa: E402
 from tlt_jax.models.presets import get_preset  # noqa: E402
 from tlt_jax.rl import fit  # noqa: E402
 from tlt_jax.rl.config import TrainConfig  # noqa: E402
@@ -166,8 +166,7 @@ def main(argv):
             rows.append(plan(preset, n))
             print_row(rows[-1])
     if _OUTPUT_JSON.value:
-        Path(_OUTPUT_JSON.value).write_text(json.dumps({"command": command, "rows": rows},
-                                                       indent=1))  # fmt: skip
+        write_json(_OUTPUT_JSON.value, {"command": command, "rows": rows}, indent=1)
         print(f"wrote {_OUTPUT_JSON.value}")
     if _MARKDOWN.value:
         Path(_MARKDOWN.value).write_text(markdown(rows))

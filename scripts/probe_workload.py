@@ -20,6 +20,8 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from tlt_jax.files import write_json
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file (configs/X.py[:variant]).",
                                 lock_config=False)  # fmt: skip
@@ -126,8 +128,7 @@ def main(argv):
             print(json.dumps(row), flush=True)
             print("   sample:", repr(texts[0][:300]), flush=True)
     if FLAGS.output_json:
-        with open(FLAGS.output_json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(FLAGS.output_json, rows, indent=1)
 
 
 if __name__ == "__main__":

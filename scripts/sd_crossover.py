@@ -13,12 +13,13 @@ On CPU the default is the tiny preset at batch 1-4 (seconds; it proves the scrip
 from __future__ import annotations
 
 import functools
-import json
 import shlex
 import sys
 
 import jax
 from absl import app, flags
+
+from tlt_jax.files import to_json, write_json
 
 _PRESET = flags.DEFINE_string("preset", "", "Model preset (default: qwen2_5_1_5b, tiny on CPU).")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute and parameter dtype.")
@@ -43,7 +44,6 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from tlt_jax import programs
-    from tlt_jax.files import write_text_atomic
 
     programs.SHARED.enabled = False  # each side pays its own compiles, as a run of its own would
     from tlt_jax.kernel_bench import device_hbm_gbps
@@ -84,7 +84,7 @@ def main(argv):
 
     def write() -> None:
         if _OUTPUT_JSON.value:  # whole or not at all: the stage may be killed while writing
-            write_text_atomic(_OUTPUT_JSON.value, json.dumps(result, indent=1))
+            write_json(_OUTPUT_JSON.value, result, indent=1)
 
     def partial(impl: str, costs) -> None:
         """After each batch: what the path measured so far (kept if a later batch is killed)."""
@@ -114,7 +114,7 @@ def main(argv):
             if impl in result["by_attention"]:  # the batches measured before the error
                 out["measured"] = result["by_attention"][impl]
         result["by_attention"][impl] = out
-        print(json.dumps({impl: out}, indent=1), flush=True)
+        print(to_json({impl: out}, indent=1), flush=True)
         write()  # rewritten after every path (and batch): a timeout keeps what was measured
         del engine
 

@@ -328,3 +328,24 @@ def test_resume_after_a_torn_last_record(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": \n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON record"):
         read_metrics(tmp_path)
+
+
+def test_benchmark_json_is_strict_and_metrics_keep_non_finite_values_readable(tmp_path):
+    """A benchmark figure with nothing measured (NaN) is null in its JSON, which any JSON
+    reader parses (`json.dumps` would write the bare NaN that strict readers refuse); numpy
+    values become Python ones. A metrics record keeps "nan" / "inf" as strings."""
+    from tlt_jax.files import jsonable, to_json, write_json
+
+    result = {"ratio": {1: np.float32(2.5), 32: float("nan")}, "runs": np.arange(2),
+              "best": float("inf"), "name": "x"}  # fmt: skip
+    path = write_json(tmp_path / "bench.json", result)
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text, parse_constant=pytest.fail) == {
+        "ratio": {"1": 2.5, "32": None},
+        "runs": [0, 1],
+        "best": None,
+        "name": "x",
+    }
+    assert json.loads(to_json(result, indent=None))["ratio"]["32"] is None
+    assert jsonable({"loss": float("nan"), "kl": -math.inf}) == {"loss": "nan", "kl": "-inf"}

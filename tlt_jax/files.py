@@ -3,8 +3,14 @@ partial results read after a kill)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -15,3 +21,32 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     tmp.write_text(text)
     os.replace(tmp, path)
     return path
+
+
+def jsonable(value: Any, non_finite: Callable[[float], Any] = str) -> Any:
+    """`value` as JSON can hold it: numpy scalars and arrays become Python numbers and lists,
+    dict keys strings, and a float that is not finite `non_finite(value)` (by default the
+    strings "nan" / "inf" / "-inf"; JSON has no such numbers)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return non_finite(value)
+    if isinstance(value, list | tuple):
+        return [jsonable(v, non_finite) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, non_finite) for k, v in value.items()}
+    return value
+
+
+def to_json(result: Any, indent: int | None = 2) -> str:
+    """A benchmark's results as strict JSON text: a figure that is not a finite number (a ratio
+    with nothing measured) is null, never the NaN that `json.dumps` writes and JSON readers
+    refuse."""
+    return json.dumps(jsonable(result, lambda _: None), indent=indent, allow_nan=False)
+
+
+def write_json(path: str | os.PathLike, result: Any, indent: int | None = 2) -> Path:
+    """`to_json(result)` into `path`, whole or not at all (`write_text_atomic`)."""
+    return write_text_atomic(path, to_json(result, indent) + "\n")

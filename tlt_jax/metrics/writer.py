@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from pathlib import Path
@@ -20,25 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from tlt_jax.files import write_text_atomic
+from tlt_jax.files import jsonable, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger(__name__)
 _TAG_INVALID = re.compile(r"[^-/\w.]")  # what tensorboardX's own tag cleaning replaces
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN / inf; "nan" / "inf" keep the record readable
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return value
 
 
 def _is_number(value: Any) -> bool:
@@ -147,7 +132,7 @@ class MetricsWriter:
         """Appends one step record (must have `step`): all of it to JSON, its numbers, numeric
         lists and flattened dicts to TensorBoard."""
         step = int(record["step"])
-        line = json.dumps(_jsonable(record))  # before writing: a bad value leaves no half line
+        line = json.dumps(jsonable(record))  # before writing: a bad value leaves no half line
         with self.path.open("a") as f:
             f.write(line + "\n")
         tb = self._tensorboard_writer()
