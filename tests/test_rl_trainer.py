@@ -650,7 +650,7 @@ def test_the_checkpoint_holds_every_processs_slice_bandits(tmp_path):
 
 
 def test_processes_that_restored_different_steps_stop_before_training():
-    from tlt_jax.rl.trainer import check_same_restore
+    from tlt_jax.rl.resume import check_same_restore
 
     class TwoProcesses:
         count, index = 2, 0

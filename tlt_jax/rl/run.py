@@ -27,7 +27,8 @@ from tlt_jax.parallel import distributed
 from tlt_jax.rl import evaluation, policy
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
-from tlt_jax.rl.trainer import Trainer, check_resumed_model
+from tlt_jax.rl.resume import check_resumed_model
+from tlt_jax.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
     `workdir` is None or holds no checkpoint) on the held-out split. Writes nothing.
 
     `config.data` may differ from the run's (evaluating on other data is the point); its
-    model may not (`trainer.check_resumed_model`, checked before any model loads) unless
+    model may not (`resume.check_resumed_model`, checked before any model loads) unless
     `checkpoint.allow_model_change`.
 
     Returns:

@@ -67,7 +67,8 @@ from tlt_jax.programs import ProgramPool, abstract_like
 from tlt_jax.rl import evaluation, packing, policy, rollout_slices, spot
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import compute_advantages
-from tlt_jax.rl.config import TrainConfig, data_changes, model_changes, resolve_reward_fn
+from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
+from tlt_jax.rl.resume import check_resumed_data, check_resumed_model, check_same_restore
 from tlt_jax.rl.rewards import score_batch
 from tlt_jax.rollout.engine import Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -94,90 +95,6 @@ def rollout_seeds(rng_words: np.ndarray, step: int, count: int) -> np.ndarray:
     """Per-request uint32 seeds of step `step`: a function of (run key, step, request index)."""
     entropy = [int(w) for w in np.asarray(rng_words).reshape(-1)] + [int(step)]
     return np.random.SeedSequence(entropy).generate_state(count, dtype=np.uint32)
-
-
-def check_same_restore(group: ProcessGroup, step: int | None, directory) -> None:
-    """Each process of a run restores its own copy of the checkpoint (`step`, None for none):
-    they must agree, or the processes would wait on each other's steps forever.
-
-    Raises:
-      RuntimeError: naming every process's step, when they differ.
-    """
-    if group.count > 1:
-        steps = group.allgather("restored_step", step)
-        if len(set(steps)) > 1:
-            raise RuntimeError(f"the processes restored different checkpoints (steps by "
-                               f"process: {steps}; None: none): is {directory} one directory "
-                               "that every process reads?")  # fmt: skip
-
-
-def _listed(changes: dict[str, tuple[Any, Any]]) -> str:
-    """`{"group.field": (checkpointed, this run's)}` as the resume checks' errors name them."""
-    return ", ".join(f"{name} (checkpoint {old!r}, this run {new!r})"
-                     for name, (old, new) in changes.items())  # fmt: skip
-
-
-def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig) -> bool:
-    """Whether the run to resume (the latest checkpoint's) had another `data` config than
-    `config`; reads only the checkpoint's config.
-
-    Raises:
-      ValueError: naming the checkpoint and each changed field with both values, unless
-        `checkpoint.allow_data_change`: its data position (and the accuracy before training)
-        belong to the other data, so resuming would silently mix two runs.
-    """
-    step = checkpointer.latest_step()
-    stored = checkpointer.read_config(step) if step is not None else None
-    changes = data_changes(stored or {}, config.data)
-    if not changes:
-        return False
-    listed = _listed(changes)
-    if not config.checkpoint.allow_data_change:
-        raise ValueError(
-            f"checkpoint {checkpointer.directory}/{step} was written by a run with another data "
-            f"config: {listed}. Resume with the checkpoint's data config, use another "
-            "--workdir, or set --config.checkpoint.allow_data_change=True to train on the new "
-            "data from the checkpoint"
-        )
-    log.warning("resuming step %d on changed data (checkpoint.allow_data_change): %s", step,
-                listed)  # fmt: skip
-    return True
-
-
-def check_resumed_model(checkpointer: RunCheckpointer, config: TrainConfig,
-                        weights: str | None, *, evaluating: bool = False) -> None:  # fmt: skip
-    """Refuses a checkpoint (the latest) written by a run of another model than `config`'s
-    (`model_changes`; `weights`: this run's `policy.weights_fingerprint`); reads only the
-    checkpoint's config and fingerprint.
-
-    Args:
-      evaluating: the checkpoint is to be evaluated, not resumed (its weights replace the
-        loaded ones, but the prompts are still this config's tokenizer's).
-
-    Raises:
-      ValueError: naming the checkpoint and each changed field with both values, unless
-        `checkpoint.allow_model_change`: the KL reference (rebuilt from the model this run
-        loads, not checkpointed) would be another model than the checkpointed run's.
-    """
-    step = checkpointer.latest_step()
-    if step is None:
-        return
-    stored = checkpointer.read_config(step) or {}
-    changes = model_changes(stored, checkpointer.read_weights(step), config.model, weights)
-    if not changes:
-        return
-    listed = _listed(changes)
-    action = "evaluate" if evaluating else "resume"
-    if not config.checkpoint.allow_model_change:
-        raise ValueError(
-            f"checkpoint {checkpointer.directory}/{step} was written by a run of another model: "
-            f"{listed}. {action.capitalize()} with the checkpoint's model config, use another "
-            f"--workdir, or set --config.checkpoint.allow_model_change=True to {action} the "
-            "checkpoint's policy with this model's tokenizer"
-            + ("" if evaluating else " and weights as its KL reference")
-        )
-    log.warning("%s step %d of another model (checkpoint.allow_model_change): %s",
-                "evaluating" if evaluating else "resuming", step, listed)  # fmt: skip
 
 
 class Trainer:

@@ -1,0 +1,101 @@
+"""The checks a run makes before it resumes (or evaluates) a checkpoint: that it is of the same
+data and model as this run's config, and that every process restored the same step.
+
+Each check reads only the checkpoint's config (and the model's weight fingerprint), before
+anything loads, so a refused resume costs no model load or compile.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tlt_jax.checkpointing.manager import RunCheckpointer
+from tlt_jax.parallel.distributed import ProcessGroup
+from tlt_jax.rl.config import TrainConfig, data_changes, model_changes
+
+log = logging.getLogger(__name__)
+
+
+def check_same_restore(group: ProcessGroup, step: int | None, directory) -> None:
+    """Each process of a run restores its own copy of the checkpoint (`step`, None for none):
+    they must agree, or the processes would wait on each other's steps forever.
+
+    Raises:
+      RuntimeError: naming every process's step, when they differ.
+    """
+    if group.count > 1:
+        steps = group.allgather("restored_step", step)
+        if len(set(steps)) > 1:
+            raise RuntimeError(f"the processes restored different checkpoints (steps by "
+                               f"process: {steps}; None: none): is {directory} one directory "
+                               "that every process reads?")  # fmt: skip
+
+
+def _listed(changes: dict[str, tuple[Any, Any]]) -> str:
+    """`{"group.field": (checkpointed, this run's)}` as the resume checks' errors name them."""
+    return ", ".join(f"{name} (checkpoint {old!r}, this run {new!r})"
+                     for name, (old, new) in changes.items())  # fmt: skip
+
+
+def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig) -> bool:
+    """Whether the run to resume (the latest checkpoint's) had another `data` config than
+    `config`; reads only the checkpoint's config.
+
+    Raises:
+      ValueError: naming the checkpoint and each changed field with both values, unless
+        `checkpoint.allow_data_change`: its data position (and the accuracy before training)
+        belong to the other data, so resuming would silently mix two runs.
+    """
+    step = checkpointer.latest_step()
+    stored = checkpointer.read_config(step) if step is not None else None
+    changes = data_changes(stored or {}, config.data)
+    if not changes:
+        return False
+    listed = _listed(changes)
+    if not config.checkpoint.allow_data_change:
+        raise ValueError(
+            f"checkpoint {checkpointer.directory}/{step} was written by a run with another data "
+            f"config: {listed}. Resume with the checkpoint's data config, use another "
+            "--workdir, or set --config.checkpoint.allow_data_change=True to train on the new "
+            "data from the checkpoint"
+        )
+    log.warning("resuming step %d on changed data (checkpoint.allow_data_change): %s", step,
+                listed)  # fmt: skip
+    return True
+
+
+def check_resumed_model(checkpointer: RunCheckpointer, config: TrainConfig,
+                        weights: str | None, *, evaluating: bool = False) -> None:  # fmt: skip
+    """Refuses a checkpoint (the latest) written by a run of another model than `config`'s
+    (`model_changes`; `weights`: this run's `policy.weights_fingerprint`); reads only the
+    checkpoint's config and fingerprint.
+
+    Args:
+      evaluating: the checkpoint is to be evaluated, not resumed (its weights replace the
+        loaded ones, but the prompts are still this config's tokenizer's).
+
+    Raises:
+      ValueError: naming the checkpoint and each changed field with both values, unless
+        `checkpoint.allow_model_change`: the KL reference (rebuilt from the model this run
+        loads, not checkpointed) would be another model than the checkpointed run's.
+    """
+    step = checkpointer.latest_step()
+    if step is None:
+        return
+    stored = checkpointer.read_config(step) or {}
+    changes = model_changes(stored, checkpointer.read_weights(step), config.model, weights)
+    if not changes:
+        return
+    listed = _listed(changes)
+    action = "evaluate" if evaluating else "resume"
+    if not config.checkpoint.allow_model_change:
+        raise ValueError(
+            f"checkpoint {checkpointer.directory}/{step} was written by a run of another model: "
+            f"{listed}. {action.capitalize()} with the checkpoint's model config, use another "
+            f"--workdir, or set --config.checkpoint.allow_model_change=True to {action} the "
+            "checkpoint's policy with this model's tokenizer"
+            + ("" if evaluating else " and weights as its KL reference")
+        )
+    log.warning("%s step %d of another model (checkpoint.allow_model_change): %s",
+                "evaluating" if evaluating else "resuming", step, listed)  # fmt: skip
