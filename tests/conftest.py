@@ -7,14 +7,17 @@ import os
 # (146 -> 83 s for tests/test_engine.py + test_speculative.py) and runs faster overall even
 # with real weights (matmuls are library calls either way). Subprocesses inherit it.
 #
-# XLA:CPU's fusion emitters (MLIR, the default since jaxlib 0.5) compile twice as long as the
+# XLA:CPU's fusion emitters (its default on jaxlib 0.10) compile twice as long as the
 # legacy LLVM IR emitters for these programs: tests/test_engine.py 110 -> 49 compile seconds
 # (275 programs), tests/test_model.py (real weights) 81 -> 69 s in all. Only on the jaxlib it
 # was measured on: an XLA that no longer knows a flag aborts at start-up. A setting for -O0
 # only: at the default level the legacy emitters compile SmolLM2's decode programs 2.2x
 # longer (scripts/bench_rollout.py --batch_sizes 1,32: 16.0-18.5 s a side vs 7.3-9.1 s).
-_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false " if (
-    importlib.metadata.version("jaxlib").startswith("0.10.")) else ""  # fmt: skip
+try:
+    _JAXLIB = importlib.metadata.version("jaxlib")
+except importlib.metadata.PackageNotFoundError:  # a jaxlib installed without its metadata
+    _JAXLIB = ""
+_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false " if _JAXLIB.startswith("0.10.") else ""
 os.environ["XLA_FLAGS"] = (
     "--xla_backend_optimization_level=0 "
     + _LEGACY_EMITTERS
