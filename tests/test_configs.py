@@ -111,6 +111,9 @@ def test_bad_values_name_field_and_allowed_values():
     assert "rl.advantage_estimator='ppo'" in message and "'dr_grpo', 'grpo', 'rloo'" in message
     assert "'seq_mean_token_mean'" in _error(**{"rl.loss_aggregation": "sum"})
     assert "rollout.temperature=0.0 must be > 0" in _error(**{"rollout.temperature": 0.0})
+    assert "rollout.xla_opt_level=4 must be an integer in 0..3" in _error(
+        **{"rollout.xla_opt_level": 4}
+    )
     assert "optim.schedule='step'" in _error(**{"optim.schedule": "step"})
     assert "'math_accuracy'" in _error(**{"rl.reward_fn": "no_such_reward"})
     message = _error(**{"model.preset": "huge"})
@@ -160,7 +163,7 @@ def test_command_line_sets_fields_whose_default_is_none():
     # Fields defaulting to None are typed placeholders, so absl can parse a value for them.
     argv = ["train.py", f"--config={CONFIG_DIR / 'smollm2_gsm8k.py'}",
             "--config.data.data_dir=/data/gsm8k", "--config.data.system_prompt=Be brief.",
-            "--config.rl.epsilon_high=0.3"]  # fmt: skip
+            "--config.rl.epsilon_high=0.3", "--config.rollout.xla_opt_level=2"]  # fmt: skip
     values = flags.FlagValues()
     config_flags.DEFINE_config_file("config", flag_values=values, sys_argv=argv)
     values(argv)
@@ -168,3 +171,4 @@ def test_command_line_sets_fields_whose_default_is_none():
     assert config.data.data_dir == "/data/gsm8k"
     assert config.data.system_prompt == "Be brief."
     assert config.rl.algorithm.epsilon_high == 0.3
+    assert config.rollout.xla_opt_level == 2

@@ -4,6 +4,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tlt_jax import programs
 from tlt_jax.programs import ProgramPool, SharedPrograms
@@ -58,3 +59,59 @@ def test_programs_that_differ_only_in_what_the_text_hides_are_not_shared():
     assert key(jax.jit(lambda a: jax.debug.callback(print, a) or a).lower(x)) is None
     # And the same program twice is.
     assert key(f.lower(x)) == key(jax.jit(lambda a: a * 2).lower(x)) is not None
+
+
+def test_compile_options_reach_xla_and_key_the_shared_executable():
+    x = jnp.arange(19.0)
+    first, second, third = ProgramPool(), ProgramPool(), ProgramPool()
+    plain = first.get(("p",), _double, lambda: (x, x))
+    level1 = second.get(("p",), _double, lambda: (x, x),
+                        options={"xla_backend_optimization_level": 1})  # fmt: skip
+    assert level1 is not plain and not second.compiled[0].reused  # another executable
+    assert third.get(("q",), _double, lambda: (x, x),
+                     options={"xla_backend_optimization_level": 1}) is level1  # fmt: skip
+    np.testing.assert_array_equal(level1(x, x)[0], plain(x, x)[0])
+    # The options reach XLA: a name it does not know fails the compile, naming it.
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        ProgramPool().get(("r",), _double, lambda: (x, x), options={"xla_no_such_option": 1})
+
+
+def test_engine_programs_compile_at_the_configured_level(monkeypatch):
+    from tlt_jax.rollout.engine import CPU_OPT_LEVEL, EngineConfig, compile_options
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert compile_options(None, "cpu") == {"xla_backend_optimization_level": CPU_OPT_LEVEL}
+    assert compile_options(None, "gpu") is None and compile_options(None, "tpu") is None
+    assert compile_options(2, "gpu") == {"xla_backend_optimization_level": 2}
+    # A level the user set in XLA_FLAGS (the test suite's -O0) rules over the per-backend one.
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert compile_options(None, "cpu") is None
+    assert compile_options(3, "cpu") == {"xla_backend_optimization_level": 3}
+    for bad in (4, -1, True, 1.0, "1"):
+        with pytest.raises(ValueError, match=f"engine.xla_opt_level={bad!r}"):
+            EngineConfig(xla_opt_level=bad)
+
+
+def test_an_engine_compiles_every_program_with_its_level_and_emits_the_same_tokens(monkeypatch):
+    from tlt_jax.models import presets
+    from tlt_jax.models.transformer import init_model
+    from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+
+    seen = []
+    compile_ = programs.SHARED.compile
+    monkeypatch.setattr(
+        programs.SHARED,
+        "compile",
+        lambda lowered, options=None: seen.append(options) or compile_(lowered, options),
+    )
+    model = init_model(presets.get_preset("tiny"), seed=1)
+    tokens = {}
+    for level in (0, 1):
+        engine = RolloutEngine(model, EngineConfig(max_batch_size=2, max_seq_len=64,
+                                                   xla_opt_level=level))  # fmt: skip
+        seen.clear()
+        out = engine.generate([Request(prompt_ids=[1, 2, 3], max_new_tokens=6)], progress=False)
+        assert seen and all(o == {"xla_backend_optimization_level": level} for o in seen)
+        tokens[level] = out[0].token_ids, out[0].logprobs
+    assert tokens[0][0] == tokens[1][0]  # greedy: the level changes no token of this model
+    np.testing.assert_allclose(tokens[0][1], tokens[1][1], atol=1e-5)

@@ -93,16 +93,19 @@ class SharedPrograms:
                  default, jax.default_backend())  # fmt: skip
         return hashlib.sha256(repr(parts).encode()).hexdigest()
 
-    def compile(self, lowered) -> tuple[Any, bool]:
-        """(the executable of `lowered`, whether it was already compiled)."""
+    def compile(self, lowered, options: dict[str, Any] | None = None) -> tuple[Any, bool]:
+        """(the executable of `lowered` compiled with XLA `options`, whether it was already
+        compiled)."""
         key = self.fingerprint(lowered) if self.enabled else None
+        if key is not None and options:
+            key = hashlib.sha256(repr((key, sorted(options.items()))).encode()).hexdigest()
         if key is not None:
             with self._lock:
                 program = self._executables.get(key)
                 if program is not None:
                     self._executables.move_to_end(key)
                     return program, True
-        program = lowered.compile()
+        program = lowered.compile(compiler_options=dict(options)) if options else lowered.compile()
         if key is not None:
             with self._lock:
                 self._executables[key] = program
@@ -211,17 +214,21 @@ class ProgramPool:
                    for c in self.compiled if prefix is None or c.key[0] == prefix)  # fmt: skip
 
     def get(self, key: tuple, fn: Callable, example_args: Callable[[], tuple],
-            donate: tuple[int, ...] = (), *, sharded: bool = True):  # fmt: skip
+            donate: tuple[int, ...] = (), *, sharded: bool = True,
+            options: dict[str, Any] | None = None):  # fmt: skip
         """The compiled program for `key`; the first time, lowers `fn` on `example_args()`
         (arrays or `ShapeDtypeStruct`s, built only then), inside the pool's sharding context
-        when `sharded`, and compiles it unless another pool of the process has (`SHARED`)."""
+        when `sharded`, and compiles it with XLA compile `options` (e.g.
+        `{"xla_backend_optimization_level": 1}`; None: XLA's defaults) unless another pool of
+        the process has (`SHARED`). A key is compiled once: `options` apply to its first
+        compile."""
         program = self._programs.get(key)
         if program is None:
             start = time.perf_counter()
             jitted = jax.jit(fn, donate_argnums=donate)
             context = self._context() if (sharded and self._context) else contextlib.nullcontext()
             with context:
-                program, reused = SHARED.compile(jitted.lower(*example_args()))
+                program, reused = SHARED.compile(jitted.lower(*example_args()), options)
             self.compiled.append(CompiledInfo(key, time.perf_counter() - start,
                                               memory_report(program), reused))  # fmt: skip
             self._programs[key] = program

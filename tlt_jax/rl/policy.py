@@ -270,6 +270,7 @@ def build_engine(config: TrainConfig, model: Transformer, *, pool: ProgramPool |
         min_prompt_bucket=config.rollout.min_prompt_bucket,
         spec_attention_impl=config.spec.attention_impl,
         layers_per_program=config.rollout.layers_per_program,
+        xla_opt_level=config.rollout.xla_opt_level,
     ), drafter=drafter, hot_token_ids=hot, pool=pool)  # fmt: skip
 
 

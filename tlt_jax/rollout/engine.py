@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import time
 from collections import deque
@@ -75,6 +76,10 @@ from tlt_jax.rollout.spec_engine import (
 from tlt_jax.rollout.speculative import DraftState, SpecStrategy, draft_length, without_caches
 
 DRAFTER_SYNC = ("lazy", "eager")
+# `xla_opt_level=None` on CPU: -O1 compiles SmolLM2's decode and verify programs 1.3-1.7x
+# faster than XLA's -O2 and they decode as fast (BENCHMARKS.md, "XLA:CPU's other compile
+# options").
+CPU_OPT_LEVEL = 1
 # `layers_per_program=None` starts CPU engines of policies this deep in the layered tier.
 LAYERED_MIN_LAYERS = 8
 
@@ -94,6 +99,15 @@ def power_of_two_buckets(minimum: int, maximum: int) -> tuple[int, ...]:
         b *= 2
     out.append(maximum)
     return tuple(out)
+
+
+def compile_options(level: int | None, backend: str) -> dict[str, int] | None:
+    """XLA compile options of an engine's programs for `EngineConfig.xla_opt_level`."""
+    if level is None:
+        if backend != "cpu" or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", ""):
+            return None
+        level = CPU_OPT_LEVEL
+    return {"xla_backend_optimization_level": level}
 
 
 def bucket_for(value: int, buckets: Sequence[int]) -> int:
@@ -143,6 +157,11 @@ class EngineConfig:
     # shallow policies, which compile fast unrolled). `one_program_after=0`: never fused.
     layers_per_program: int | None = None
     one_program_after: int = 256
+    # XLA's backend optimisation level (`xla_backend_optimization_level`, LLVM's -O) of every
+    # program the engine compiles; the trainer's programs keep XLA's default. None: per
+    # backend, `CPU_OPT_LEVEL` on CPU unless XLA_FLAGS sets the level (then XLA_FLAGS rules),
+    # XLA's default (2) elsewhere.
+    xla_opt_level: int | None = None
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_seq_len", "max_prefill_batch", "min_kv_bucket",
@@ -164,6 +183,11 @@ class EngineConfig:
         if self.drafter_sync not in DRAFTER_SYNC:
             raise ValueError(f"engine.drafter_sync={self.drafter_sync!r} is not one of "
                              f"{list(DRAFTER_SYNC)}")  # fmt: skip
+        level = self.xla_opt_level
+        if level is not None and (not isinstance(level, int) or isinstance(level, bool)
+                                  or not 0 <= level <= 3):  # fmt: skip
+            raise ValueError(f"engine.xla_opt_level={level!r} must be an integer in 0..3 (XLA's "
+                             "backend optimisation level) or None (per backend)")  # fmt: skip
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:
@@ -583,6 +607,7 @@ class RolloutEngine:
         self.graphdef, self.params = nnx.split(model)  # also sets `layers`
         self.stats = EngineStats()
         self.pool = pool if pool is not None else ProgramPool()
+        self._options = compile_options(config.xla_opt_level, jax.default_backend())
         self.ngram = ngram_index
         self._policy: StepPolicy = PlainPolicy()
         self.hot_token_ids = None
@@ -722,7 +747,7 @@ class RolloutEngine:
             # before after): each sharding of a key compiles a program of its own.
             key = (*key, _sharding_signature(args))
         if key in self.pool:
-            return self.pool.get(key, fn, lambda: args, donate)
+            return self.pool.get(key, fn, lambda: args, donate)  # compiled: no options needed
         before = self.pool.compile_seconds
         # On a mesh, row-independent math (token choice, tree acceptance) runs on each
         # device's own slots: no collective over the batch (`sharding.rowwise`).
@@ -731,7 +756,8 @@ class RolloutEngine:
             rows = sharding_lib.rows_per_device(self._mesh)
             fn = functools.partial(fn)  # a fresh trace: jit's trace cache ignores the context
         with rows:
-            program = self.pool.get(key, fn, lambda: args, donate, sharded=False)
+            program = self.pool.get(key, fn, lambda: args, donate, sharded=False,
+                                    options=self._options)  # fmt: skip
         self.stats.compile_seconds += self.pool.compile_seconds - before
         self.stats.compile_count += 1
         return program
