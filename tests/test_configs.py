@@ -172,3 +172,13 @@ def test_command_line_sets_fields_whose_default_is_none():
     assert config.data.system_prompt == "Be brief."
     assert config.rl.algorithm.epsilon_high == 0.3
     assert config.rollout.xla_opt_level == 2
+
+
+def test_the_rollout_engine_gets_the_configured_xla_level():
+    from tlt_jax.models.transformer import init_model
+
+    config = tiny_config(**{"rollout.xla_opt_level": 2})
+    model = init_model(get_preset(config.model.preset), seed=0)
+    engine = policy.build_engine(config, model)
+    assert engine.config.xla_opt_level == 2
+    assert engine._options == {"xla_backend_optimization_level": 2}
