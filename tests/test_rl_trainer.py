@@ -802,6 +802,22 @@ def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path):
     allowed = Trainer(allowed_config, tmp_path, progress=False)
     assert allowed.restored_from == 1 and allowed.iterator.state() == {"epoch": 1, "index": 0}
     allowed.close()
+    # Another drafter is not refused (SD is lossless) but named: this checkpoint's run
+    # trained none online, so the rollouts draft with the new one.
+    from tlt_jax.checkpointing.manager import RunCheckpointer
+    from tlt_jax.rl.resume import check_resumed_drafter
+
+    checkpointer = RunCheckpointer(tmp_path / "checkpoints")
+    assert check_resumed_drafter(checkpointer, tiny_config()) is None
+    warned = check_resumed_drafter(checkpointer, tiny_config(**{"spec.drafter": "/x/eagle"}))
+    assert "spec.drafter changed" in warned and "'', this run: '/x/eagle'" in warned
+    assert "the rollouts draft with this run's" in warned
+    stored = checkpointer.read_config(1)
+    stored["spot"]["enabled"] = True  # as if its run had spot-trained a drafter
+    checkpointer.read_config = lambda step=None: stored
+    spot = tiny_config(**{"spec.drafter": "/x/eagle", "spot.enabled": True, "spot.slices": 2})
+    assert "spot-trained drafter is restored" in check_resumed_drafter(checkpointer, spot)
+    checkpointer.close()
     # A field the checkpoint predates counts as its default; the TFDS cache is no data.
     assert data_changes({"data": {}}, DataConfig()) == {}
     assert data_changes({"data": {"cache_dir": "/elsewhere"}}, DataConfig()) == {}

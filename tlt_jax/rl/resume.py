@@ -99,3 +99,32 @@ def check_resumed_model(checkpointer: RunCheckpointer, config: TrainConfig,
         )
     log.warning("%s step %d of another model (checkpoint.allow_model_change): %s",
                 "evaluating" if evaluating else "resuming", step, listed)  # fmt: skip
+
+
+def check_resumed_drafter(checkpointer: RunCheckpointer, config: TrainConfig) -> str | None:
+    """Warns (and returns the warning) when the run to resume (the latest checkpoint's) named
+    another `spec.drafter`; reads only the checkpoint's config.
+
+    Not refused: speculative decoding is lossless, so a drafter changes no sample's
+    distribution. When both runs train the drafter online (`spot.enabled`) the checkpoint's
+    spot-trained drafter is restored over the one this run names (which only starts a fresh
+    run); otherwise the rollouts draft with this run's from the resumed step on.
+    """
+    step = checkpointer.latest_step()
+    stored = checkpointer.read_config(step) if step is not None else None
+    if not stored or "spec" not in stored:
+        return None
+    before, now = stored["spec"].get("drafter", ""), config.spec.drafter
+    if before == now:
+        return None
+    message = (f"spec.drafter changed (checkpoint {checkpointer.directory}/{step}: {before!r}, "
+               f"this run: {now!r}): ")  # fmt: skip
+    # The checkpoint holds a spot-trained drafter when its run trained one; this run
+    # restores it when it trains one too.
+    restored = config.spot.enabled and stored.get("spot", {}).get("enabled", False)
+    message += ("the checkpoint's spot-trained drafter is restored; this run's only warm-starts "
+                "a fresh run" if restored else  # fmt: skip
+                "the rollouts draft with this run's from here (lossless: the samples' "
+                "distribution does not change)")  # fmt: skip
+    log.warning("%s", message)
+    return message

@@ -68,7 +68,12 @@ from tlt_jax.rl import evaluation, packing, policy, rollout_slices, spot
 from tlt_jax.rl import step as step_lib
 from tlt_jax.rl.algorithms import compute_advantages
 from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
-from tlt_jax.rl.resume import check_resumed_data, check_resumed_model, check_same_restore
+from tlt_jax.rl.resume import (
+    check_resumed_data,
+    check_resumed_drafter,
+    check_resumed_model,
+    check_same_restore,
+)
 from tlt_jax.rl.rewards import score_batch
 from tlt_jax.rollout.engine import Request
 from tlt_jax.rollout.sampling import SamplingParams
@@ -138,6 +143,7 @@ class Trainer:
             self._weights = policy.weights_fingerprint(cfg.model)
             check_resumed_model(self.checkpointer, cfg, self._weights)
             data_changed = check_resumed_data(self.checkpointer, cfg)
+            check_resumed_drafter(self.checkpointer, cfg)
             self._train_examples = load_data(cfg.data, cfg.data.train_split)
         except BaseException:
             self.checkpointer.close()  # its background threads would outlive the error
