@@ -48,6 +48,15 @@ def _devices(sharding) -> tuple | None:
     return None
 
 
+def check_opt_level(level: Any, field: str) -> None:
+    """Refuses an XLA backend optimisation level (`xla_backend_optimization_level`) other than
+    None or an integer in 0..3, naming the config `field` it came from."""
+    if level is not None and (not isinstance(level, int) or isinstance(level, bool)
+                              or not 0 <= level <= 3):  # fmt: skip
+        raise ValueError(f"{field}={level!r} must be an integer in 0..3 (XLA's backend "
+                         "optimisation level) or None (per backend)")  # fmt: skip
+
+
 class SharedPrograms:
     """Executables by what they compile, shared by every `ProgramPool` of the process.
 

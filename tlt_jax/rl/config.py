@@ -35,6 +35,7 @@ from tlt_jax.data.pipeline import DataConfig
 from tlt_jax.models.config import DTYPES
 from tlt_jax.models.presets import PRESETS
 from tlt_jax.optim import OptimConfig
+from tlt_jax.programs import check_opt_level
 from tlt_jax.rl.algorithms import AlgorithmConfig
 from tlt_jax.rl.rewards import REWARD_FUNCTIONS, RewardFunction
 from tlt_jax.rl.spot import SpotConfig
@@ -286,7 +287,7 @@ class RolloutConfig:
         layers: a bucket's first steps compile in less than half the time, 5-15% slower).
       xla_opt_level: XLA's backend optimisation level of the engine's programs
         (`EngineConfig.xla_opt_level`); None per backend (1 on CPU unless XLA_FLAGS sets it:
-        they compile 1.3-1.7x faster than at XLA's 2 and decode as fast; XLA's default
+        they compile 5-12% faster than at XLA's 2 and decode as fast; XLA's default
         elsewhere). The trainer's programs keep XLA's default.
     """
 
@@ -304,16 +305,7 @@ class RolloutConfig:
     def __post_init__(self):
         if self.layers_per_program is not None:
             _positive_int("rollout", "layers_per_program", self.layers_per_program, minimum=0)
-        _require(
-            self.xla_opt_level is None
-            or (
-                isinstance(self.xla_opt_level, int)
-                and not isinstance(self.xla_opt_level, bool)
-                and 0 <= self.xla_opt_level <= 3
-            ),
-            f"rollout.xla_opt_level={self.xla_opt_level!r} must be an integer in 0..3 (XLA's "
-            "backend optimisation level) or None (per backend)",
-        )
+        check_opt_level(self.xla_opt_level, "rollout.xla_opt_level")
         _require(
             isinstance(self.temperature, int | float) and self.temperature > 0,
             f"rollout.temperature={self.temperature!r} must be > 0 (greedy groups have "

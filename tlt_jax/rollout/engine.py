@@ -63,7 +63,7 @@ from tlt_jax.models.decode import (
 from tlt_jax.models.drafter import Drafter
 from tlt_jax.models.transformer import Transformer, causal_mask
 from tlt_jax.parallel import sharding as sharding_lib
-from tlt_jax.programs import ProgramPool
+from tlt_jax.programs import ProgramPool, check_opt_level
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.adaptive import FixedPolicy, PlainPolicy, StepChoice, StepPolicy, arm_name
 from tlt_jax.rollout.sampling import SamplingParams, choose_tokens, needs_filtering
@@ -76,9 +76,8 @@ from tlt_jax.rollout.spec_engine import (
 from tlt_jax.rollout.speculative import DraftState, SpecStrategy, draft_length, without_caches
 
 DRAFTER_SYNC = ("lazy", "eager")
-# `xla_opt_level=None` on CPU: -O1 compiles SmolLM2's decode and verify programs 1.3-1.7x
-# faster than XLA's -O2 and they decode as fast (BENCHMARKS.md, "XLA:CPU's other compile
-# options").
+# `xla_opt_level=None` on CPU: -O1 compiles SmolLM2's rollout programs 5-12% faster than
+# XLA's -O2 and they decode as fast (BENCHMARKS.md, "-O1 for the engine's programs on CPU").
 CPU_OPT_LEVEL = 1
 # `layers_per_program=None` starts CPU engines of policies this deep in the layered tier.
 LAYERED_MIN_LAYERS = 8
@@ -183,11 +182,7 @@ class EngineConfig:
         if self.drafter_sync not in DRAFTER_SYNC:
             raise ValueError(f"engine.drafter_sync={self.drafter_sync!r} is not one of "
                              f"{list(DRAFTER_SYNC)}")  # fmt: skip
-        level = self.xla_opt_level
-        if level is not None and (not isinstance(level, int) or isinstance(level, bool)
-                                  or not 0 <= level <= 3):  # fmt: skip
-            raise ValueError(f"engine.xla_opt_level={level!r} must be an integer in 0..3 (XLA's "
-                             "backend optimisation level) or None (per backend)")  # fmt: skip
+        check_opt_level(self.xla_opt_level, "engine.xla_opt_level")
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:
