@@ -1,5 +1,7 @@
 """Rollout slices, the spot scheduler and the online drafter (TLT's adaptive drafter)."""
 
+import re
+import shutil
 import threading
 import time
 
@@ -487,6 +489,34 @@ def test_spot_training_in_the_rl_loop_is_lossless_checkpointed_and_exported(tmp_
                     strict=True):  # fmt: skip
         np.testing.assert_array_equal(a, np.asarray(b))
     resumed.close()
+    # Another drafter architecture named on resuming (EAGLE-1/2's fc bias): the spot-trained
+    # one cannot be restored over it. Refused naming the arrays (orbax's tree error blamed
+    # the model config); drafting with it without the spot-trained state resumes.
+    from safetensors.numpy import load_file, save_file
+
+    biased = tmp_path / "biased"
+    shutil.copytree(tmp_path / "on" / "drafter", biased)
+    tensors = load_file(str(biased / "model.safetensors"))
+    tensors["fc.bias"] = np.full(tensors["fc.weight"].shape[:1], 0.1, np.float32)
+    save_file(tensors, str(biased / "model.safetensors"), {"format": "pt"})
+    other = {**SPOT, "spec.drafter": str(biased), "checkpoint_every": 2}
+    message = (
+        re.escape(
+            f"checkpoint {tmp_path / 'on' / 'checkpoints'}/2 holds a spot-trained "
+            "drafter of another architecture than this run's (spec.drafter: "
+            f"checkpoint '', this run '{biased}'): params/fc_bias (checkpoint "
+            "missing, this run (64,)), opt_state/"
+        )
+        + ".*"
+        + re.escape("--config.spot.enabled=False to draft with this run's drafter")
+    )
+    with pytest.raises(ValueError, match=message):
+        Trainer(tiny_config(total_steps=3, **other, **{"spot.enabled": True}), tmp_path / "on",
+                progress=False)  # fmt: skip
+    drafting = Trainer(tiny_config(total_steps=3, **other), tmp_path / "on", progress=False)
+    assert drafting.restored_from == 2 and drafting.online is None
+    assert "fc_bias" in drafting.engine.drafter_params
+    drafting.close()
 
 
 def test_bench_spot_compares_the_same_rollouts_with_spot_training_off_and_on(tmp_path):

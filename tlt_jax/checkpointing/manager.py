@@ -54,6 +54,21 @@ class Restored:
     drafter_buffer: dict[str, np.ndarray] | None = None
 
 
+def tree_paths(tree: Any) -> dict[str, tuple]:
+    """`{path: shape}` of a pytree's array leaves (arrays, `ShapeDtypeStruct`s or orbax's
+    array metadata); a path joins its keys' names, indices or attributes with "/", so a
+    dataclass or named tuple and the nested dicts orbax stores it as give the same paths."""
+
+    def name(key) -> str:
+        for field in ("key", "name", "idx"):
+            if hasattr(key, field):
+                return str(getattr(key, field))
+        return str(key)
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
 class _Checkpointer:
     """What both checkpointers share: one orbax `CheckpointManager` under `directory`."""
 
@@ -141,6 +156,17 @@ class RunCheckpointer(_Checkpointer):
         if there is no checkpoint or it has none (a preset's run, or written before it existed).
         Reads nothing else."""
         return (self._read_json("weights", step) or {}).get("fingerprint")
+
+    def read_shapes(self, item: str, step: int | None = None) -> dict[str, tuple] | None:
+        """`{leaf path: shape}` of the arrays of `item` (e.g. "drafter") in the checkpoint at
+        `step` (default latest), from orbax's metadata: no array is read. Paths join the
+        pytree's keys with "/" (`tree_paths`). None if there is no such checkpoint or item."""
+        step = self._manager.latest_step() if step is None else step
+        path = self.directory / str(step) / item
+        if step is None or not path.exists():
+            return None
+        metadata = ocp.StandardCheckpointHandler().metadata(path)
+        return tree_paths(getattr(metadata, "tree", metadata))
 
     def _read_json(self, item: str, step: int | None) -> dict[str, Any] | None:
         step = self._manager.latest_step() if step is None else step

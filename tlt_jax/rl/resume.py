@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tlt_jax.checkpointing.manager import RunCheckpointer
+from tlt_jax.checkpointing.manager import RunCheckpointer, tree_paths
 from tlt_jax.parallel.distributed import ProcessGroup
 from tlt_jax.rl.config import TrainConfig, data_changes, model_changes
 
@@ -128,3 +128,56 @@ def check_resumed_drafter(checkpointer: RunCheckpointer, config: TrainConfig) ->
                 "distribution does not change)")  # fmt: skip
     log.warning("%s", message)
     return message
+
+
+def check_resumed_drafter_fits(checkpointer: RunCheckpointer, config: TrainConfig,
+                               drafter_like: Any) -> None:  # fmt: skip
+    """Refuses a checkpoint (the latest) whose spot-trained drafter state does not fit this
+    run's (`drafter_like`: the online drafter's state; None: this run restores none); reads
+    only orbax's metadata of the checkpoint's drafter, before any array is read.
+
+    A run that trains the drafter online restores the checkpoint's over the one it names
+    (`check_resumed_drafter`), which needs the same architecture: a drafter with an fc bias
+    (an EAGLE-1/2 layout) named on resuming a cold start, or the reverse, failed inside
+    orbax's restore with a tree-structure error that blamed the model config.
+
+    Raises:
+      ValueError: naming the checkpoint, both runs' `spec.drafter`, each differing array
+        (path, checkpoint shape, this run's shape) and the ways on.
+    """
+    if drafter_like is None:
+        return
+    step = checkpointer.latest_step()
+    stored = checkpointer.read_shapes("drafter", step)
+    if stored is None:
+        return
+    mine = tree_paths(drafter_like)
+    differ = sorted(
+        (p for p in set(stored) | set(mine) if stored.get(p) != mine.get(p)),
+        key=lambda p: (not p.startswith("params/"), p),
+    )  # the params' first
+    if not differ:
+        return
+
+    def shape(shapes: dict, path: str) -> str:
+        return str(shapes[path]) if path in shapes else "missing"
+
+    shown = ", ".join(f"{p} (checkpoint {shape(stored, p)}, this run {shape(mine, p)})"
+                      for p in differ[:6])  # fmt: skip
+    if len(differ) > 6:
+        shown += f" and {len(differ) - 6} more"
+    before = ((checkpointer.read_config(step) or {}).get("spec") or {}).get("drafter", "")
+    where = f"checkpoint {checkpointer.directory}/{step}"
+    if any(p.startswith("params/") for p in differ):
+        raise ValueError(
+            f"{where} holds a spot-trained drafter of another architecture than this run's "
+            f"(spec.drafter: checkpoint {before!r}, this run {config.spec.drafter!r}): {shown}. "
+            f"Resume with --config.spec.drafter={before!r} to go on training the checkpoint's "
+            "drafter, with --config.spot.enabled=False to draft with this run's drafter "
+            "without restoring the checkpoint's, or use another --workdir"
+        )
+    raise ValueError(
+        f"{where} holds a spot-trained drafter whose optimizer state does not fit this run's "
+        f"(another optimizer config for the drafter?): {shown}. Resume with the checkpoint's "
+        "optimizer settings or use another --workdir"
+    )

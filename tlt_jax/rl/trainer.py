@@ -71,6 +71,7 @@ from tlt_jax.rl.config import TrainConfig, resolve_reward_fn
 from tlt_jax.rl.resume import (
     check_resumed_data,
     check_resumed_drafter,
+    check_resumed_drafter_fits,
     check_resumed_model,
     check_same_restore,
 )
@@ -207,7 +208,12 @@ class Trainer:
         # The step `precompile` compiled before (None: this process has not compiled).
         self.compiled_before_step: int | None = None
         drafter_like = None if self.online is None else self.online.state
-        restored = self.checkpointer.restore(self.state, drafter_like=drafter_like)
+        try:
+            check_resumed_drafter_fits(self.checkpointer, cfg, drafter_like)
+            restored = self.checkpointer.restore(self.state, drafter_like=drafter_like)
+        except BaseException:
+            self.checkpointer.close()
+            raise
         check_same_restore(self.group, restored and restored.step, self.checkpointer.directory)
         if restored is not None:
             self.state = restored.state
