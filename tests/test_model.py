@@ -10,6 +10,8 @@ Tolerances (float32 everywhere):
   ~4e-6); SmolLM2 cached vs full <= 3e-4 (measured 6e-5).
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -370,6 +372,29 @@ def test_the_weights_fingerprint_follows_the_weights_not_the_path(tmp_path, monk
     with pytest.raises(FileNotFoundError, match="neither model.safetensors nor an index"):
         fingerprint(shutil.copytree(first, tmp_path / "empty", ignore=shutil.ignore_patterns(
             "*.safetensors")))  # fmt: skip
+
+
+def test_the_tokenizer_fingerprint_follows_the_files_edited_in_place(tmp_path):
+    """The weights fingerprint misses a tokenizer edited in place (another chat template or
+    special token under the same weights): the tokenizer files get their own fingerprint,
+    equal for a moved copy; none for a GGUF file or a directory without tokenizer files."""
+    import shutil
+
+    fingerprint = checkpoints.tokenizer_fingerprint
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "config.json").write_text("{}")  # what resolves a checkpoint directory
+    assert fingerprint(first) is None
+    (first / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ a }}"}))
+    (first / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0}}}))
+    moved = shutil.copytree(first, tmp_path / "elsewhere")
+    assert fingerprint(moved) == fingerprint(first) is not None
+    (moved / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ b }}"}))
+    edited = fingerprint(moved)
+    assert edited != fingerprint(first)
+    (moved / "chat_template.jinja").write_text("{{ b }}")  # a file added counts too
+    assert fingerprint(moved) not in (edited, fingerprint(first))
+    assert fingerprint("smollm2-135m-instruct") is None  # its tokenizer is in the GGUF file
 
 
 # ----------------------------------------------------------------------------- bad input

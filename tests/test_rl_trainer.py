@@ -854,6 +854,37 @@ def test_a_resume_of_another_model_is_refused_unless_allowed(tmp_path):
         "model.name": ("/a", "/b")}  # no stored fingerprint: the paths are compared  # fmt: skip
 
 
+def test_a_resume_over_tokenizer_files_edited_in_place_is_refused(tmp_path, monkeypatch):
+    """Only the weights were fingerprinted, so a checkpoint's tokenizer edited in place (another
+    chat template: other prompt tokens under the same `model.tokenizer`) resumed silently. The
+    run stores its tokenizer files' fingerprint; another one is refused before the model
+    loads, as another model is; the same one resumes."""
+    from tlt_jax.checkpointing.manager import RunCheckpointer
+    from tlt_jax.rl import policy
+    from tlt_jax.rl.config import ModelSettings, model_changes
+
+    monkeypatch.setattr(policy, "tokenizer_fingerprint", lambda settings: "aaaa")
+    _train_one_step(tmp_path)
+    checkpointer = RunCheckpointer(tmp_path / "checkpoints")
+    assert checkpointer.read_tokenizer(1) == "aaaa" and checkpointer.read_weights(1) is None
+    checkpointer.close()
+    monkeypatch.setattr(policy, "tokenizer_fingerprint", lambda settings: "bbbb")
+    message = re.escape(f"checkpoint {tmp_path / 'checkpoints'}/1 was written by a run of "
+                        "another model: model.tokenizer (checkpoint \"'byte' (files aaaa)\", "
+                        "this run \"'byte' (files bbbb)\").")  # fmt: skip
+    with _no_model_load("the tokenizer files were checked"):
+        with pytest.raises(ValueError, match=message):
+            Trainer(tiny_config(total_steps=2), tmp_path, progress=False)
+    monkeypatch.setattr(policy, "tokenizer_fingerprint", lambda settings: "aaaa")
+    same = Trainer(tiny_config(total_steps=2), tmp_path, progress=False)
+    assert same.restored_from == 1
+    same.close()
+    # A checkpoint without one (a GGUF model's, or written before it existed) compares none.
+    settings = ModelSettings(name="/m", tokenizer="checkpoint")
+    stored = {"model": {"name": "/m", "tokenizer": "checkpoint"}}
+    assert model_changes(stored, None, settings, None, tokenizer="bbbb") == {}
+
+
 def test_a_resume_from_a_moved_checkpoint_is_allowed_from_other_weights_refused(tmp_path):
     """The model's `name` is a path: the same weights moved elsewhere resume, other weights
     of the same shapes (which only logged a warning and became the KL reference) do not."""

@@ -7,7 +7,9 @@ An RL run's checkpoint at step k holds, as three items of one orbax step directo
 - `config`: the run's `TrainConfig.to_dict()` (JSON), for the record and for resume checks;
 - `weights`: `{"fingerprint": ...}` of the checkpoint file the run's model was loaded from
   (`checkpoints.weights_fingerprint`; absent for a random preset, and in checkpoints written
-  before it existed), so a resume can tell a moved checkpoint from other weights;
+  before it existed), so a resume can tell a moved checkpoint from other weights, and
+  `"tokenizer"`: its tokenizer files' (`checkpoints.tokenizer_fingerprint`), so one edited
+  in place is told apart too;
 - `extra`: host-side state of the run's other parts (JSON: the SD bandits' reward windows and
   random streams, the online drafter's counters); checkpoints written before it existed
   restore with `extra == {}`;
@@ -122,11 +124,12 @@ class RunCheckpointer(_Checkpointer):
     def save(self, step: int, state: Any, data_position: dict[str, int],
              config: dict[str, Any], extra: dict[str, Any] | None = None, *,
              drafter: Any = None, drafter_buffer: dict | None = None,
-             weights: str | None = None) -> bool:  # fmt: skip
+             weights: str | None = None, tokenizer: str | None = None) -> bool:  # fmt: skip
         """Starts saving (returns before the files are written when async). False if present.
 
         Args:
           weights: the fingerprint of the model's checkpoint file (None: a random preset).
+          tokenizer: the fingerprint of its tokenizer files (None: none to fingerprint).
         """
         if step in self._manager.all_steps():
             return False
@@ -138,8 +141,10 @@ class RunCheckpointer(_Checkpointer):
             config=ocp.args.JsonSave(config),
             extra=ocp.args.JsonSave(extra or {}),
         )
-        if weights is not None:
-            items["weights"] = ocp.args.JsonSave({"fingerprint": weights})
+        fingerprints = {"fingerprint": weights, "tokenizer": tokenizer}
+        fingerprints = {k: v for k, v in fingerprints.items() if v is not None}
+        if fingerprints:
+            items["weights"] = ocp.args.JsonSave(fingerprints)
         if drafter is not None:
             items["drafter"] = ocp.args.StandardSave(drafter)
         if drafter_buffer is not None:
@@ -156,6 +161,12 @@ class RunCheckpointer(_Checkpointer):
         if there is no checkpoint or it has none (a preset's run, or written before it existed).
         Reads nothing else."""
         return (self._read_json("weights", step) or {}).get("fingerprint")
+
+    def read_tokenizer(self, step: int | None = None) -> str | None:
+        """The tokenizer files' fingerprint stored with the checkpoint at `step` (default
+        latest); None if there is none (the byte tokenizer, a GGUF file, or a checkpoint
+        written before it existed). Reads nothing else."""
+        return (self._read_json("weights", step) or {}).get("tokenizer")
 
     def read_shapes(self, item: str, step: int | None = None) -> dict[str, tuple] | None:
         """`{leaf path: shape}` of the arrays of `item` (e.g. "drafter") in the checkpoint at

@@ -315,6 +315,36 @@ def weights_fingerprint(name_or_path: str | os.PathLike) -> str:
     return digest.hexdigest()[:16]
 
 
+# The files `AutoTokenizer` reads from a checkpoint directory (those present are fingerprinted).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json")  # fmt: skip
+
+
+def tokenizer_fingerprint(name_or_path: str | os.PathLike) -> str | None:
+    """A fingerprint (hex) of a checkpoint directory's tokenizer files (`TOKENIZER_FILES`,
+    every byte: a few MB at most): it changes when the vocabulary, the special tokens or the
+    chat template is edited in place, which `weights_fingerprint` does not see. None for a
+    GGUF file, whose tokenizer is part of the file `weights_fingerprint` samples, and for a
+    directory without tokenizer files.
+
+    Raises:
+      FileNotFoundError: as `resolve_model_path`.
+    """
+    path = resolve_model_path(name_or_path)
+    if path.is_file():
+        return None
+    files = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        data = file.read_bytes()
+        digest.update(f"{file.name}:{len(data)}:".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
 def load_config(name_or_path: str | os.PathLike, **overrides) -> ModelConfig:
     """The `ModelConfig` of a checkpoint (HF config.json or GGUF metadata)."""
     path = resolve_model_path(name_or_path)

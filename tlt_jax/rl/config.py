@@ -491,7 +491,8 @@ def data_changes(stored: dict[str, Any], data: DataConfig) -> dict[str, tuple[An
 
 
 def model_changes(stored: dict[str, Any], stored_weights: str | None, model: ModelSettings,
-                  weights: str | None) -> dict[str, tuple[Any, Any]]:  # fmt: skip
+                  weights: str | None, *, stored_tokenizer: str | None = None,
+                  tokenizer: str | None = None) -> dict[str, tuple[Any, Any]]:  # fmt: skip
     """Where this run's model differs in identity from the checkpointed run's, as
     `{"model.<field>": (checkpointed, this run's)}`.
 
@@ -511,6 +512,10 @@ def model_changes(stored: dict[str, Any], stored_weights: str | None, model: Mod
         that predates it, whose `name` is then compared as written).
       model: this run's settings.
       weights: the fingerprint of this run's `model.name` (None for a preset).
+      stored_tokenizer, tokenizer: the fingerprints of the checkpoint's and this run's
+        tokenizer files (`checkpoints.tokenizer_fingerprint`; compared when both exist): the
+        same `model.tokenizer` setting over files edited in place (another chat template or
+        vocabulary) changes what the token ids mean.
     """
     if "model" not in stored:
         return {}
@@ -526,6 +531,10 @@ def model_changes(stored: dict[str, Any], stored_weights: str | None, model: Mod
                                      f"{new_name} (weights {weights})")  # fmt: skip
     elif old_name != new_name:
         changes["model.name"] = (old_name, new_name)
+    if (stored_tokenizer is not None and tokenizer is not None and stored_tokenizer != tokenizer
+            and "model.tokenizer" not in changes):  # fmt: skip
+        changes["model.tokenizer"] = (f"{before['tokenizer']!r} (files {stored_tokenizer})",
+                                      f"{model.tokenizer!r} (files {tokenizer})")  # fmt: skip
     return dict(sorted(changes.items()))
 
 

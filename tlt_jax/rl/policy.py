@@ -130,6 +130,15 @@ def weights_fingerprint(settings: ModelSettings) -> str | None:
     return None if settings.preset else checkpoints.weights_fingerprint(settings.name)
 
 
+def tokenizer_fingerprint(settings: ModelSettings) -> str | None:
+    """`checkpoints.tokenizer_fingerprint` of `name` when the run's tokenizer is the
+    checkpoint's (stored with the run's checkpoints); None for the byte tokenizer, a preset
+    or a GGUF file."""
+    if settings.tokenizer == "byte" or settings.preset or not settings.name:
+        return None
+    return checkpoints.tokenizer_fingerprint(settings.name)
+
+
 _ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                         "num_layers", "num_heads", "num_kv_heads", "head_dim")  # fmt: skip
 

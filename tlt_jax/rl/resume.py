@@ -66,10 +66,11 @@ def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig) -> bo
 
 
 def check_resumed_model(checkpointer: RunCheckpointer, config: TrainConfig,
-                        weights: str | None, *, evaluating: bool = False) -> None:  # fmt: skip
+                        weights: str | None, *, tokenizer: str | None = None,
+                        evaluating: bool = False) -> None:  # fmt: skip
     """Refuses a checkpoint (the latest) written by a run of another model than `config`'s
-    (`model_changes`; `weights`: this run's `policy.weights_fingerprint`); reads only the
-    checkpoint's config and fingerprint.
+    (`model_changes`; `weights`: this run's `policy.weights_fingerprint`, `tokenizer` its
+    `policy.tokenizer_fingerprint`); reads only the checkpoint's config and fingerprints.
 
     Args:
       evaluating: the checkpoint is to be evaluated, not resumed (its weights replace the
@@ -84,7 +85,9 @@ def check_resumed_model(checkpointer: RunCheckpointer, config: TrainConfig,
     if step is None:
         return
     stored = checkpointer.read_config(step) or {}
-    changes = model_changes(stored, checkpointer.read_weights(step), config.model, weights)
+    changes = model_changes(stored, checkpointer.read_weights(step), config.model, weights,
+                            stored_tokenizer=checkpointer.read_tokenizer(step),
+                            tokenizer=tokenizer)  # fmt: skip
     if not changes:
         return
     listed = _listed(changes)

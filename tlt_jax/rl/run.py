@@ -244,6 +244,7 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
     try:
         if checkpointer is not None:
             check_resumed_model(checkpointer, cfg, policy.weights_fingerprint(cfg.model),
+                                tokenizer=policy.tokenizer_fingerprint(cfg.model),
                                 evaluating=True)  # fmt: skip
         examples = load_data(cfg.data, cfg.data.eval_split)
         mesh = policy.build_mesh(cfg.model)

@@ -142,7 +142,9 @@ class Trainer:
         # before any model is loaded or compiled.
         try:
             self._weights = policy.weights_fingerprint(cfg.model)
-            check_resumed_model(self.checkpointer, cfg, self._weights)
+            self._tokenizer_files = policy.tokenizer_fingerprint(cfg.model)
+            check_resumed_model(self.checkpointer, cfg, self._weights,
+                                tokenizer=self._tokenizer_files)  # fmt: skip
             data_changed = check_resumed_data(self.checkpointer, cfg)
             check_resumed_drafter(self.checkpointer, cfg)
             self._train_examples = load_data(cfg.data, cfg.data.train_split)
@@ -717,7 +719,8 @@ class Trainer:
         extra, drafter, buffer = self.rollouts.state_dict(bandits)
         self.checkpointer.save(self.step_count, self.state, self.iterator.state(),
                                self.config.to_dict(), extra, drafter=drafter,
-                               drafter_buffer=buffer, weights=self._weights)  # fmt: skip
+                               drafter_buffer=buffer, weights=self._weights,
+                               tokenizer=self._tokenizer_files)  # fmt: skip
 
     def export_drafter(self) -> Path | None:
         """The online drafter as an HF-EAGLE directory (`workdir/drafter`); None without one."""
