@@ -106,12 +106,18 @@ def test_an_engine_compiles_every_program_with_its_level_and_emits_the_same_toke
     )
     model = init_model(presets.get_preset("tiny"), seed=1)
     tokens = {}
+    # One pool for both engines: each level's programs are its own (a shared pool ran the
+    # first engine's programs at the second's level).
+    pool = programs.ProgramPool()
     for level in (0, 1):
         engine = RolloutEngine(model, EngineConfig(max_batch_size=2, max_seq_len=64,
-                                                   xla_opt_level=level))  # fmt: skip
+                                                   xla_opt_level=level), pool=pool)  # fmt: skip
         seen.clear()
         out = engine.generate([Request(prompt_ids=[1, 2, 3], max_new_tokens=6)], progress=False)
         assert seen and all(o == {"xla_backend_optimization_level": level} for o in seen)
         tokens[level] = out[0].token_ids, out[0].logprobs
+    levels = {key[-1] for key in pool.keys()}
+    assert levels == {("xla", ("xla_backend_optimization_level", 0)),
+                      ("xla", ("xla_backend_optimization_level", 1))}  # fmt: skip
     assert tokens[0][0] == tokens[1][0]  # greedy: the level changes no token of this model
     np.testing.assert_allclose(tokens[0][1], tokens[1][1], atol=1e-5)

@@ -230,7 +230,8 @@ class ProgramPool:
         when `sharded`, and compiles it with XLA compile `options` (e.g.
         `{"xla_backend_optimization_level": 1}`; None: XLA's defaults) unless another pool of
         the process has (`SHARED`). A key is compiled once: `options` apply to its first
-        compile."""
+        compile, so a caller whose options vary puts them in the key (the rollout engine
+        does)."""
         program = self._programs.get(key)
         if program is None:
             start = time.perf_counter()

@@ -734,7 +734,14 @@ class RolloutEngine:
 
     # -- executable pool -------------------------------------------------------------------
 
+    def _pool_key(self, key: tuple) -> tuple:
+        """`key` as the pool holds it: with the XLA compile options this engine compiles with,
+        so engines of other `xla_opt_level`s sharing a pool never run each other's programs
+        (their fields stay where the key's readers look, in front)."""
+        return (*key, ("xla", *sorted(self._options.items()))) if self._options else key
+
     def _program(self, key: tuple, fn: Callable, *args, donate: tuple[int, ...] = ()):
+        key = self._pool_key(key)
         if self._mesh is not None:
             # A compiled program takes its arguments in the shardings it was compiled for, and
             # on a mesh one program's output need not match the next one's input (a layer
@@ -762,7 +769,7 @@ class RolloutEngine:
         without a layered forward, and with one once the key was compiled or has run
         `one_program_after` layered steps (then it compiles); else the step runs layered
         and is counted."""
-        if self.forward is None or self._steady or key in self.pool:
+        if self.forward is None or self._steady or self._pool_key(key) in self.pool:
             return True
         steps = self._layered_steps.get(key, 0)
         after = self.config.one_program_after
