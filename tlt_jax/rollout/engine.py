@@ -738,7 +738,9 @@ class RolloutEngine:
         """`key` as the pool holds it: with the XLA compile options this engine compiles with,
         so engines of other `xla_opt_level`s sharing a pool never run each other's programs
         (their fields stay where the key's readers look, in front)."""
-        return (*key, ("xla", *sorted(self._options.items()))) if self._options else key
+        if not self._options:
+            return key
+        return (*key, "xla:" + ",".join(f"{k}={v}" for k, v in sorted(self._options.items())))
 
     def _program(self, key: tuple, fn: Callable, *args, donate: tuple[int, ...] = ()):
         key = self._pool_key(key)
