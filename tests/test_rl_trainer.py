@@ -921,18 +921,24 @@ def test_the_report_names_the_step_this_process_compiled_before(tmp_path):
     from tlt_jax.rl.run import train_and_evaluate
 
     def report_lines(total_steps):
-        config = tiny_config(total_steps=total_steps, plot_every=100)
+        # The held-out evaluation before step 1 runs the rollout engine from the shared pool.
+        config = tiny_config(total_steps=total_steps, plot_every=100,
+                             **{"eval.num_problems": 2})  # fmt: skip
         report = train_and_evaluate(config, tmp_path, progress=False)["report"]
         return [line for line in report.splitlines()
-                if line.startswith(("steps:", "train programs compiled"))]  # fmt: skip
+                if line.startswith(("steps:", "programs compiled"))]  # fmt: skip
 
     fresh, resumed, finished = report_lines(1), report_lines(2), report_lines(2)
     assert fresh[0] == "steps: 1 (config total_steps 1; not resumed)"
-    assert fresh[1].startswith("train programs compiled before this process's first step "
-                               "(step 1): ")  # fmt: skip
+    assert fresh[1].startswith("programs compiled before this process's first step (step 1): ")
+    # The shared pool's engine programs (the evaluation's) are told apart from the train
+    # step's (gradient, apply, ...): the line called them all train programs.
+    counts = re.search(r": (\d+) in .* s \(the train step's (\d+) in .* s, the rollout "
+                       r"engine's (\d+) in", fresh[1]).groups()  # fmt: skip
+    total, train, engine = map(int, counts)
+    assert total == train + engine and train >= 2 and engine >= 2
     assert resumed[0] == "steps: 2 (config total_steps 2; resumed from 1)"
-    assert resumed[1].startswith("train programs compiled before this process's first step "
-                                 "(step 2): ")  # fmt: skip
+    assert resumed[1].startswith("programs compiled before this process's first step (step 2): ")
     assert finished == ["steps: 2 (config total_steps 2; resumed from 2)"]  # compiled nothing
 
 

@@ -77,7 +77,8 @@ def _load_eval(workdir: Path, tag: str, settings: dict[str, Any]) -> evaluation.
 def _compile_summary(workdir: Path, before_step: int | None) -> str:
     """The compile report's line, for the programs this process compiled before its first
     step, `before_step` (1 unless resumed; None: it ran no step, so compiled nothing and the
-    file, if any, is an earlier process's)."""
+    file, if any, is an earlier process's): the train step's and the rollout engine's (the
+    evaluation's and SD calibration's programs, which share the pool) apart."""
     path = workdir / "compile_report.json"
     if before_step is None or not path.is_file():
         return ""
@@ -85,9 +86,12 @@ def _compile_summary(workdir: Path, before_step: int | None) -> str:
     peak = max((r.get("temp", 0) + r.get("argument", 0) + r.get("output", 0)
                 - r.get("alias", 0) for r in rows), default=0)  # fmt: skip
     seconds = sum(r["compile_s"] for r in rows)
-    return (f"train programs compiled before this process's first step (step {before_step}): "
-            f"{len(rows)} in {seconds:.1f} s; largest "
-            f"footprint (arguments + outputs + temporaries) {peak / 2**30:.2f} GiB "
+    train = [r for r in rows if r.get("role", "train") == "train"]
+    train_s = sum(r["compile_s"] for r in train)
+    return (f"programs compiled before this process's first step (step {before_step}): "
+            f"{len(rows)} in {seconds:.1f} s (the train step's {len(train)} in {train_s:.1f} s, "
+            f"the rollout engine's {len(rows) - len(train)} in {seconds - train_s:.1f} s); "
+            f"largest footprint (arguments + outputs + temporaries) {peak / 2**30:.2f} GiB "
             f"({path.name})")  # fmt: skip
 
 

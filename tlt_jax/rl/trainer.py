@@ -103,6 +103,10 @@ def rollout_seeds(rng_words: np.ndarray, step: int, count: int) -> np.ndarray:
     return np.random.SeedSequence(entropy).generate_state(count, dtype=np.uint32)
 
 
+# The trainer's program kinds in the pool it shares with the rollout engine (key[0]).
+TRAIN_PROGRAMS = ("logprob", "grad", "apply", "zeros")
+
+
 class Trainer:
     """One RL run in `workdir`; resumes from the latest checkpoint there automatically."""
 
@@ -336,7 +340,8 @@ class Trainer:
 
     def precompile(self) -> list[dict[str, Any]]:
         """Compiles the train programs for the next batch's prompts and the longest responses,
-        before the step runs; returns each program's compile seconds and memory analysis
+        before the step runs; returns every program the shared pool holds by then (the
+        rollout engine's so far too, by `role`) with its compile seconds and memory analysis
         (bytes of arguments, outputs, aliased and temporary buffers), also logged and written
         to `workdir/compile_report.json`."""
         cfg = self.config
@@ -362,8 +367,11 @@ class Trainer:
                        logprob=self._forward_before_update or self._silent_features)  # fmt: skip
         self._apply_program()
         self.rollouts.precompile_drafter()
+        # The pool is the engine's too: its programs so far (the evaluation's, the SD
+        # calibration's) are in the report beside the train step's, each with its role.
         report = [{"program": "/".join(map(str, c.key)), "compile_s": round(c.seconds, 2),
-                   **c.memory} for c in self.pool.compiled]  # fmt: skip
+                   "role": "train" if c.key[0] in TRAIN_PROGRAMS else "rollout", **c.memory}
+                  for c in self.pool.compiled]  # fmt: skip
         for row in report:
             log.info("compiled %s", row)
         if self.group.is_primary:
