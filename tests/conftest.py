@@ -66,22 +66,6 @@ def _release_compiled_programs():
     gc.collect()
 
 
-# Files by test seconds, longest first (two workers, 2026-12-02): pytest-xdist's
-# `--dist loadfile` hands files to the workers in collection order, so the long ones start
-# first and the last file to finish is a short one. Files not named keep their order after.
-_LONGEST_FIRST = (
-    "test_tlt_rollout.py", "test_rl_trainer.py", "test_packing.py", "test_checkpointing.py",
-    "test_accelerator_check.py", "test_spec_bench.py", "test_model.py", "test_speculative.py",
-    "test_engine.py", "test_spot.py", "test_pool_bench.py", "test_multiprocess.py",
-    "test_bench_tlt.py", "test_drafter.py", "test_bench_accept.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
-
-
 _COMPILES = {"count": 0, "seconds": 0.0}
 
 
