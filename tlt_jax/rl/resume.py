@@ -125,8 +125,9 @@ def check_resumed_drafter(checkpointer: RunCheckpointer, config: TrainConfig) ->
     # The checkpoint holds a spot-trained drafter when its run trained one; this run
     # restores it when it trains one too.
     restored = config.spot.enabled and stored.get("spot", {}).get("enabled", False)
-    message += ("the checkpoint's spot-trained drafter is restored; this run's only warm-starts "
-                "a fresh run" if restored else  # fmt: skip
+    message += ("the checkpoint's spot-trained drafter is restored (if its arrays fit this "
+                "run's drafter: `check_resumed_drafter_fits`); this run's only warm-starts a "
+                "fresh run" if restored else  # fmt: skip
                 "the rollouts draft with this run's from here (lossless: the samples' "
                 "distribution does not change)")  # fmt: skip
     log.warning("%s", message)
