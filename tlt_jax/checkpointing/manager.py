@@ -58,17 +58,11 @@ class Restored:
 
 def tree_paths(tree: Any) -> dict[str, tuple]:
     """`{path: shape}` of a pytree's array leaves (arrays, `ShapeDtypeStruct`s or orbax's
-    array metadata); a path joins its keys' names, indices or attributes with "/", so a
-    dataclass or named tuple and the nested dicts orbax stores it as give the same paths."""
-
-    def name(key) -> str:
-        for field in ("key", "name", "idx"):
-            if hasattr(key, field):
-                return str(getattr(key, field))
-        return str(key)
-
+    array metadata); a path is `keystr(simple=True)` with "/" between the keys, so a dataclass
+    or named tuple and the nested dicts orbax stores it as give the same paths."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+            for path, leaf in leaves}  # fmt: skip
 
 
 class _Checkpointer:

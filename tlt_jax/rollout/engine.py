@@ -603,6 +603,9 @@ class RolloutEngine:
         self.stats = EngineStats()
         self.pool = pool if pool is not None else ProgramPool()
         self._options = compile_options(config.xla_opt_level, jax.default_backend())
+        # Where options are set they end every pool key (`_pool_key`), built once here.
+        options = sorted((self._options or {}).items())
+        self._key_suffix = ("xla:" + ",".join(f"{k}={v}" for k, v in options),) if options else ()
         self.ngram = ngram_index
         self._policy: StepPolicy = PlainPolicy()
         self.hot_token_ids = None
@@ -738,9 +741,7 @@ class RolloutEngine:
         """`key` as the pool holds it: with the XLA compile options this engine compiles with,
         so engines of other `xla_opt_level`s sharing a pool never run each other's programs
         (their fields stay where the key's readers look, in front)."""
-        if not self._options:
-            return key
-        return (*key, "xla:" + ",".join(f"{k}={v}" for k, v in sorted(self._options.items())))
+        return (*key, *self._key_suffix)
 
     def _program(self, key: tuple, fn: Callable, *args, donate: tuple[int, ...] = ()):
         key = self._pool_key(key)
