@@ -431,6 +431,35 @@ def test_a_bucket_runs_layered_then_as_one_program(model):
     assert same.token_ids == out.token_ids == reference_greedy(model, [5, 6, 7], 10)
 
 
+def test_a_compiled_one_program_runs_at_once_on_a_mesh(model):
+    """A bucket whose one program is compiled (here under `one_program_steps`, as calibration
+    does) runs as it from its first step, also on a mesh, where the pool's keys end with the
+    arguments' sharding signature (the check missed those, so such a bucket ran
+    `one_program_after` layered steps, compiling their programs, before using its program)."""
+    from flax import nnx
+
+    from tlt_jax.parallel import sharding
+
+    mesh = sharding.make_mesh((2, 1))
+    graphdef, state = nnx.split(model)
+    rules = sharding.rules_for("rollout")
+    sharded = nnx.merge(
+        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
+    )
+    config = EngineConfig(max_batch_size=2, max_seq_len=128, min_kv_bucket=128,
+                          layers_per_program=1, one_program_after=100)  # fmt: skip
+    engine = RolloutEngine(sharded, config)
+    request = Request([5, 6, 7], 10)
+    with engine.one_program_steps():
+        (steady,) = engine.generate([request])
+    before = set(engine.pool.keys())
+    assert [k for k in before if k[0] == "decode"] and not [k for k in before if k[0] == "layers"]
+    (again,) = engine.generate([request])
+    layered = {"layers", "decode_inputs", "decode_outputs"}
+    assert not {k[0] for k in set(engine.pool.keys()) - before} & layered
+    assert again.token_ids == steady.token_ids == reference_greedy(model, [5, 6, 7], 10)
+
+
 def test_rollout_config_checks_layers_per_program():
     from tlt_jax.rl.config import RolloutConfig
 

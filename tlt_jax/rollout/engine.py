@@ -772,7 +772,7 @@ class RolloutEngine:
         without a layered forward, and with one once the key was compiled or has run
         `one_program_after` layered steps (then it compiles); else the step runs layered
         and is counted."""
-        if self.forward is None or self._steady or self._pool_key(key) in self.pool:
+        if self.forward is None or self._steady or self._compiled_as_one(key):
             return True
         steps = self._layered_steps.get(key, 0)
         after = self.config.one_program_after
@@ -780,6 +780,17 @@ class RolloutEngine:
             return True
         self._layered_steps[key] = steps + 1
         return False
+
+    def _compiled_as_one(self, key: tuple) -> bool:
+        """Whether the pool holds the one program of `key` (compiled by this engine or by
+        another one sharing the pool, e.g. under `one_program_steps`). On a mesh the pool's
+        keys end with the arguments' sharding signature (`_program`), which a step only
+        knows once it has built its arguments: any signature counts."""
+        pool_key = self._pool_key(key)
+        if self._mesh is None:
+            return pool_key in self.pool
+        n = len(pool_key)
+        return any(len(k) == n + 1 and k[:n] == pool_key for k in self.pool.keys())
 
     @contextlib.contextmanager
     def one_program_steps(self):
