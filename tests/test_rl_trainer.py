@@ -1042,3 +1042,8 @@ def test_spec_threshold_is_calibrated_at_start_without_a_file(tmp_path, monkeypa
     with pytest.raises(FileNotFoundError, match="spec.calibration_file='/nowhere.json'"):
         Trainer(tiny_config(**{"spec.mode": "adaptive", "spec.calibration_file": "/nowhere.json"}),
                 tmp_path / "other", progress=False)  # fmt: skip
+    # Also beside a threshold, which overrides the file: a wrong path is not silently unused.
+    with pytest.raises(FileNotFoundError, match="spec.calibration_file='/nowhere.json'"):
+        Trainer(tiny_config(**{"spec.mode": "adaptive", "spec.threshold": 4,
+                               "spec.calibration_file": "/nowhere.json"}),
+                tmp_path / "third", progress=False)  # fmt: skip

@@ -43,6 +43,11 @@ def test_spot_config_errors():
         spot.SpotConfig(enabled=True, slices=1)
     with pytest.raises(ValueError, match=r"spot.window=600 must be <= spot.row_len=512"):
         spot.SpotConfig(window=600)
+    # The drafter's own fields by their flag names (not the RL optimizer's `optim.*`).
+    for field, value in (("learning_rate", float("nan")), ("learning_rate", -1e-4),
+                         ("ploss_weight", -1.0), ("learning_rate", "3e-4")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^spot\.{field}={value!r} must be a finite"):
+            spot.SpotConfig(**{field: value})
     c = default_config_dict()
     c.model.preset = "tiny"
     c.spec.draft_sources = "eagle"

@@ -229,6 +229,10 @@ def resolve_threshold(config: TrainConfig, engine: RolloutEngine, workdir: Path 
     if spec.mode == "always":
         return engine.config.max_batch_size
     if spec.threshold:
+        if spec.calibration_file:  # not used, but read: a wrong path is named, not ignored
+            calibrate_lib.load_calibration(spec.calibration_file)
+            log.warning("spec.threshold=%d is set, so spec.calibration_file=%r is not used",
+                        spec.threshold, spec.calibration_file)  # fmt: skip
         return spec.threshold
     if spec.calibration_file:
         calibration = calibrate_lib.load_calibration(spec.calibration_file)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -100,7 +101,14 @@ class SpotConfig:
                              f"{self.max_steps_per_rl_step})")  # fmt: skip
         if self.window > self.row_len:
             raise ValueError(f"spot.window={self.window} must be <= spot.row_len={self.row_len}")
-        self.train_config()  # the remaining checks (learning rate, loss weights)
+        # Named here: the drafter trainer's own checks would blame `optim.learning_rate`
+        # (the RL optimizer's field) and a bare `ploss_weight`.
+        for name in ("learning_rate", "ploss_weight"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not math.isfinite(value) or value < 0):  # fmt: skip
+                raise ValueError(f"spot.{name}={value!r} must be a finite number >= 0")
+        self.train_config()  # the drafter trainer's remaining checks
 
     def train_config(self) -> DrafterTrainConfig:
         optim = dataclasses.replace(
