@@ -24,7 +24,7 @@ from tlt_jax.files import to_json, write_json
 
 _CONFIG = flags.DEFINE_string("config", "configs/smollm2_arith.py", "Config file (train.py's).")
 _WARM = flags.DEFINE_string("warm_drafter", None, "The warm-up drafter (HF-EAGLE export).")
-_STEPS = flags.DEFINE_integer("steps", 20, "RL steps per run.")
+_STEPS = flags.DEFINE_integer("steps", 20, "RL steps per run.", lower_bound=1)
 _ROOT = flags.DEFINE_string("root", "/tmp/bench_accept", "One workdir per variant under here.")
 _VARIANTS = flags.DEFINE_list("variants", ["spot", "frozen", "cold"], "Runs, in order.")
 _EXTRA = flags.DEFINE_multi_string("override", [], "More train.py flags for every run.")

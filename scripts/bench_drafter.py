@@ -28,12 +28,12 @@ from tlt_jax.files import to_json, write_json
 
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results (JSON).")
 _MODEL = flags.DEFINE_string("model", "smollm2_135m", "Model preset (shapes only).")
-_BATCH_ROWS = flags.DEFINE_integer("batch_rows", 2, "Packed rows per step.")
-_ROW_LEN = flags.DEFINE_integer("row_len", 1024, "Tokens per packed row.")
-_WINDOW = flags.DEFINE_integer("window", 512, "Sample window (tokens).")
+_BATCH_ROWS = flags.DEFINE_integer("batch_rows", 2, "Packed rows per step.", lower_bound=1)
+_ROW_LEN = flags.DEFINE_integer("row_len", 1024, "Tokens per packed row.", lower_bound=1)
+_WINDOW = flags.DEFINE_integer("window", 512, "Sample window (tokens).", lower_bound=1)
 _HOT_SIZES = flags.DEFINE_list("hot_sizes", ["2048", "8192"], "Hot-vocabulary sizes to time.")
 _UNROLL = flags.DEFINE_list("unroll_steps", ["3"], "Unrolled levels to time (first hot size).")
-_NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps per variant.")
+_NUM_STEPS = flags.DEFINE_integer("num_steps", 5, "Timed steps per variant.", lower_bound=1)
 
 
 def main(argv):

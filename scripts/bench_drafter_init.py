@@ -43,12 +43,18 @@ _VARIANTS = flags.DEFINE_list(
      "target_last_layer_zero_out:3e-4", "random:1e-3", "random:3e-3"],
     f"init:learning_rate pairs; inits: {', '.join(INITS)}.",
 )  # fmt: skip
-_STEPS = flags.DEFINE_integer("steps", 300, "Drafter steps per variant.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Held-out evaluation interval (steps).")
+_STEPS = flags.DEFINE_integer("steps", 300, "Drafter steps per variant.", lower_bound=1)
+_EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every", 25, "Held-out evaluation interval (steps).", lower_bound=1
+)
 _TRAIN_SAMPLES = flags.DEFINE_integer("train_samples", 200, "Responses trained on; the rest "
-                                      "are held out.")  # fmt: skip
-_HOT_VOCAB = flags.DEFINE_integer("hot_vocab", 2048, "Hot-vocabulary size (0: full head).")
-_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 4, "Held-out batches of 4 x 512 tokens.")
+                                      "are held out.", lower_bound=1)  # fmt: skip
+_HOT_VOCAB = flags.DEFINE_integer(
+    "hot_vocab", 2048, "Hot-vocabulary size (0: full head).", lower_bound=0
+)
+_EVAL_BATCHES = flags.DEFINE_integer(
+    "eval_batches", 4, "Held-out batches of 4 x 512 tokens.", lower_bound=1
+)
 
 
 def parse_variants(texts: list[str]) -> list[tuple[str, float]]:

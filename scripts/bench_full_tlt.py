@@ -23,10 +23,14 @@ _CONFIG = flags.DEFINE_string("config", "configs/smollm2_arith.py", "Config file
 _WARM = flags.DEFINE_string(
     "warm_drafter", None, "HF-EAGLE drafter the TLT side starts from (default: random init)."
 )
-_STEPS = flags.DEFINE_integer("steps", 4, "RL steps per run.")
-_WARMUP = flags.DEFINE_integer("warmup", 1, "First steps of each run not measured (compiles).")
-_PAIRS = flags.DEFINE_integer("pairs", 2, "Plain/TLT pairs (ABBA order).")
-_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes per run (one slice each).")
+_STEPS = flags.DEFINE_integer("steps", 4, "RL steps per run.", lower_bound=1)
+_WARMUP = flags.DEFINE_integer(
+    "warmup", 1, "First steps of each run not measured (compiles).", lower_bound=0
+)
+_PAIRS = flags.DEFINE_integer("pairs", 2, "Plain/TLT pairs (ABBA order).", lower_bound=1)
+_PROCESSES = flags.DEFINE_integer(
+    "num_processes", 2, "Processes per run (one slice each).", lower_bound=1
+)
 _PIN = flags.DEFINE_bool("pin_cores", False, "Pin process i to core i (launch_local.py).")
 _ROOT = flags.DEFINE_string("root", "/tmp/bench_full_tlt", "One fresh workdir per run under here.")
 _EXTRA = flags.DEFINE_multi_string("override", [], "More train.py flags for every run.")

@@ -33,10 +33,10 @@ flags.DEFINE_enum("strategy_set", "spec", ["spec", "paper"], "BEG buckets and st
 flags.DEFINE_string("single", "", "The single-strategy pool's strategy (default: bucket 0's).")
 flags.DEFINE_list("sources", ["eagle"], "Draft sources of every arm (ngram and hybrid reuse "
                   "eagle's programs).")  # fmt: skip
-flags.DEFINE_integer("threshold", 0, "The bandit's threshold (0: max_batch_size).")
-flags.DEFINE_integer("max_batch_size", 32, "The engine's largest batch bucket.")
-flags.DEFINE_integer("kv_len", 256, "The one kv bucket.")
-flags.DEFINE_integer("hot_vocab", 2048, "Draft head size (0: the full vocabulary).")
+flags.DEFINE_integer("threshold", 0, "The bandit's threshold (0: max_batch_size).", lower_bound=0)
+flags.DEFINE_integer("max_batch_size", 32, "The engine's largest batch bucket.", lower_bound=1)
+flags.DEFINE_integer("kv_len", 256, "The one kv bucket.", lower_bound=1)
+flags.DEFINE_integer("hot_vocab", 2048, "Draft head size (0: the full vocabulary).", lower_bound=0)
 flags.DEFINE_bool("greedy", False, "Greedy requests (default: sampled, as GRPO rollouts are).")
 FLAGS = flags.FLAGS
 

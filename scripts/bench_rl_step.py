@@ -37,8 +37,10 @@ config_flags.DEFINE_config_file(
     "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
 )
 flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
-flags.DEFINE_integer("steps", 3, "Measured RL steps.")
-flags.DEFINE_integer("warmup", 1, "RL steps run first and not measured (compilation).")
+flags.DEFINE_integer("steps", 3, "Measured RL steps.", lower_bound=1)
+flags.DEFINE_integer(
+    "warmup", 1, "RL steps run first and not measured (compilation).", lower_bound=0
+)
 flags.DEFINE_list("layouts", [], "Compare these rl.update_layout values side by side.")
 flags.DEFINE_list(
     "rl_sides",

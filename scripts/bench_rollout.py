@@ -45,8 +45,10 @@ flags.DEFINE_string("model", "smollm2-135m-instruct", "Model path or short name.
 flags.DEFINE_list("batch_sizes", ["1", "8", "32", "64"], "Batch sizes to measure.")
 flags.DEFINE_list("modes", ["greedy", "sampled"], "greedy and/or sampled (temperature 0.8).")
 flags.DEFINE_float("temperature", 0.8, "Temperature of the sampled mode.")
-flags.DEFINE_integer("new_tokens", 128, "Generated tokens per request.")
-flags.DEFINE_integer("repeats", 3, "Timed runs per point and side (alternating sides).")
+flags.DEFINE_integer("new_tokens", 128, "Generated tokens per request.", lower_bound=1)
+flags.DEFINE_integer(
+    "repeats", 3, "Timed runs per point and side (alternating sides).", lower_bound=1
+)
 flags.DEFINE_bool("transformers", True, "Also measure HF transformers.")
 flags.DEFINE_bool(
     "sync_side",

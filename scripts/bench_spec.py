@@ -29,12 +29,20 @@ flags.DEFINE_enum("draft", "", ["", "eagle", "ngram", "hybrid"], "Draft source; 
 flags.DEFINE_bool("adaptive", False, "Plain vs the adaptive step policy per batch size.")
 flags.DEFINE_string("gsm8k_dir", str(SHARED / "data" / "gsm8k"), "Folder with GSM8K test.jsonl.")
 flags.DEFINE_string("drafter_note", "", "Free text for the JSON: the drafter's data and training.")
-flags.DEFINE_integer("num_prompts", 2, "Batch-1 prompts (each generated on its own).")
-flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per request at batch 1.")
-flags.DEFINE_integer("sweep_new_tokens", 32, "Tokens per request in the batch and adaptive sweeps.")
+flags.DEFINE_integer(
+    "num_prompts", 2, "Batch-1 prompts (each generated on its own).", lower_bound=1
+)
+flags.DEFINE_integer(
+    "max_new_tokens", 64, "Tokens generated per request at batch 1.", lower_bound=1
+)
+flags.DEFINE_integer(
+    "sweep_new_tokens", 32, "Tokens per request in the batch and adaptive sweeps.", lower_bound=1
+)
 flags.DEFINE_string("grid", "2,4,6x4,8,16", "Batch-1 grid: 'depths x verify_tokens'.")
-flags.DEFINE_integer("topk", 4, "Top-k of every grid strategy.")
-flags.DEFINE_integer("hot_vocab_size", 2048, "Hot draft vocabulary size (0: full vocab only).")
+flags.DEFINE_integer("topk", 4, "Top-k of every grid strategy.", lower_bound=1)
+flags.DEFINE_integer(
+    "hot_vocab_size", 2048, "Hot draft vocabulary size (0: full vocab only).", lower_bound=0
+)
 flags.DEFINE_string("hot_vocab", "", "hot_vocab.json or warm-up responses.jsonl to count tokens "
                     "from; default DRAFTER/hot_vocab.json.")  # fmt: skip
 flags.DEFINE_enum("full_vocab", "per_depth", ["per_depth", "all", "none"],
@@ -42,9 +50,11 @@ flags.DEFINE_enum("full_vocab", "per_depth", ["per_depth", "all", "none"],
 flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8", "16", "32"], "Batch and adaptive sweeps.")
 flags.DEFINE_list("switch_batches", ["1", "4", "16"], "Batch sizes of the SD switch-cost runs.")
 flags.DEFINE_list("switch_lags", ["32", "128"], "Plain steps before the switch into SD.")
-flags.DEFINE_integer("repeats", 2, "Timed runs per fixed point (the best is kept).")
+flags.DEFINE_integer("repeats", 2, "Timed runs per fixed point (the best is kept).", lower_bound=1)
 flags.DEFINE_bool("breakdown", True, "Time the programs of a batch-1 SD step separately.")
-flags.DEFINE_integer("adaptive_repeats", 5, "Timed (plain, adaptive) pairs per batch size.")
+flags.DEFINE_integer(
+    "adaptive_repeats", 5, "Timed (plain, adaptive) pairs per batch size.", lower_bound=1
+)
 flags.DEFINE_enum("drafter_sync", "eager", ["eager", "lazy"], "The adaptive engine's drafter sync.")
 FLAGS = flags.FLAGS
 

@@ -25,8 +25,12 @@ config_flags.DEFINE_config_file(
     "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
 )
 flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
-flags.DEFINE_integer("rounds", 3, "Rollouts per side (alternating which side goes first).")
-flags.DEFINE_integer("slices", 2, "Rollout slices in all (a multiple of the processes).")
+flags.DEFINE_integer(
+    "rounds", 3, "Rollouts per side (alternating which side goes first).", lower_bound=1
+)
+flags.DEFINE_integer(
+    "slices", 2, "Rollout slices in all (a multiple of the processes).", lower_bound=1
+)
 flags.DEFINE_string("workdir", None, "Scratch directory (default: a temporary one).")
 
 

@@ -27,10 +27,14 @@ config_flags.DEFINE_config_file(
     "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
 )
 flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
-flags.DEFINE_integer("steps", 2, "Measured RL steps per side.")
-flags.DEFINE_integer("warmup", 1, "RL steps per side run first and not measured.")
+flags.DEFINE_integer("steps", 2, "Measured RL steps per side.", lower_bound=1)
+flags.DEFINE_integer("warmup", 1, "RL steps per side run first and not measured.", lower_bound=0)
 flags.DEFINE_list("batch_multipliers", ["1", "2"], "Prompts per step times these.")
-flags.DEFINE_integer("greedy_repeats", 3, "Timed greedy rollouts per side (alternating).")
+flags.register_validator("batch_multipliers",
+                         lambda values: all(v.isdigit() and int(v) >= 1 for v in values),
+                         message="--batch_multipliers must be integers >= 1")  # fmt: skip
+flags.DEFINE_integer("greedy_repeats", 3, "Timed greedy rollouts per side (alternating).",
+                     lower_bound=1)  # fmt: skip
 flags.DEFINE_bool(
     "same_policy",
     True,

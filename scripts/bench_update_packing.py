@@ -33,12 +33,12 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
 flags.DEFINE_string("lengths_json", None, "Recorded response lengths (see above).")
 flags.DEFINE_list("step_indices", [], "With --lengths_json: which recorded steps (default all).")
-flags.DEFINE_integer("steps", 4, "Synthetic steps (without --lengths_json).")
+flags.DEFINE_integer("steps", 4, "Synthetic steps (without --lengths_json).", lower_bound=1)
 flags.DEFINE_float("p50", 53.0, "Synthetic lengths' median (the main job's step 1: 52).")
-flags.DEFINE_integer("prompt_len", 55, "Tokens per prompt (the main job's: 40-64).")
+flags.DEFINE_integer("prompt_len", 55, "Tokens per prompt (the main job's: 40-64).", lower_bound=1)
 flags.DEFINE_float("signal_fraction", 1.0, "Share of groups the update trains.")
 flags.DEFINE_integer("repeats", 3, "Timed passes over the steps (the ratio's spread is "
-                     "over them).")  # fmt: skip
+                     "over them).", lower_bound=1)  # fmt: skip
 
 
 def main(argv):
@@ -63,15 +63,14 @@ def main(argv):
                                  f"{len(lengths)} steps")  # fmt: skip
         lengths = [lengths[i] for i in picked] if picked else lengths
     else:
-        if FLAGS.steps < 1 or FLAGS.p50 <= 0:
-            raise app.UsageError(f"--steps={FLAGS.steps}, --p50={FLAGS.p50}: expected >= 1, > 0")
+        if FLAGS.p50 <= 0:
+            raise app.UsageError(f"--p50={FLAGS.p50} must be > 0")
         responses = config.rl.prompts_per_step * config.rl.group_size
         lengths = bench_packing.long_tail_lengths(FLAGS.steps, responses,
                                                   config.rollout.max_new_tokens,
                                                   p50=FLAGS.p50)  # fmt: skip
-    if not 0 < FLAGS.signal_fraction <= 1 or FLAGS.repeats < 1:
-        raise app.UsageError(f"--signal_fraction={FLAGS.signal_fraction} (expected (0, 1]), "
-                             f"--repeats={FLAGS.repeats} (expected >= 1)")  # fmt: skip
+    if not 0 < FLAGS.signal_fraction <= 1:
+        raise app.UsageError(f"--signal_fraction={FLAGS.signal_fraction} must be in (0, 1]")
     command = "python " + " ".join(sys.argv)
     print(command, flush=True)
     try:

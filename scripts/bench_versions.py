@@ -31,7 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 _CONFIG = config_flags.DEFINE_config_file("config", str(REPO / "configs/smollm2_arith.py"),
                                           "The run config both versions train.")  # fmt: skip
 _REF = flags.DEFINE_string("ref", None, "The earlier commit (any git revision).", required=True)
-_STEPS = flags.DEFINE_integer("steps", 4, "RL steps per side (the first ones compile).")
+_STEPS = flags.DEFINE_integer(
+    "steps", 4, "RL steps per side (the first ones compile).", lower_bound=1
+)
 _PLAIN = flags.DEFINE_bool("plain_rollouts", True, "spec.mode=off on both sides.")
 _OUTPUT = flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
 PACKAGES = ("tlt_jax", "pallas_kernels")

@@ -28,7 +28,9 @@ flags.DEFINE_integer(
     "Tree tokens per verify step (0: the smallest budget of the config's spec.strategies).",
 )
 flags.DEFINE_float("max_cost_ratio", 2.0, "SD is tried where verify / plain is below this.")
-flags.DEFINE_integer("max_batch", 0, "Largest batch bucket timed (0: the engine's largest).")
+flags.DEFINE_integer(
+    "max_batch", 0, "Largest batch bucket timed (0: the engine's largest).", lower_bound=0
+)
 
 
 def main(argv):

@@ -19,7 +19,9 @@ config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/X.py[:variant]).", lock_config=True
 )
 flags.DEFINE_string("workdir", None, "A training run's workdir (its latest checkpoint).")
-flags.DEFINE_integer("num_problems", None, "Problems to score (default: config eval.num_problems).")
+flags.DEFINE_integer(
+    "num_problems", None, "Problems to score (default: config eval.num_problems).", lower_bound=0
+)
 flags.mark_flags_as_required(["config"])
 
 

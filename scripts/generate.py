@@ -25,17 +25,23 @@ flags.DEFINE_string("output", None, "Output JSONL path.", required=True)
 flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate per prompt at most.")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus mass (1 disables).")
-flags.DEFINE_integer("top_k", 0, "Top-k (0 disables).")
+flags.DEFINE_integer("top_k", 0, "Top-k (0 disables).", lower_bound=0)
 flags.DEFINE_integer("seed", 0, "Request i samples with seed + i.")
-flags.DEFINE_integer("max_batch_size", 32, "Concurrent requests (slots).")
-flags.DEFINE_integer("max_seq_len", 2048, "Prompt + generated tokens per request at most.")
+flags.DEFINE_integer("max_batch_size", 32, "Concurrent requests (slots).", lower_bound=1)
+flags.DEFINE_integer(
+    "max_seq_len", 2048, "Prompt + generated tokens per request at most.", lower_bound=1
+)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Params and compute dtype.")
 flags.DEFINE_string("drafter", "", "Exported HF-EAGLE drafter dir: speculative decoding on.")
 flags.DEFINE_enum("draft", "", ["", "eagle", "ngram", "hybrid"], "Draft source (default: eagle "
                   "with --drafter, plain without; ngram needs no drafter).")  # fmt: skip
 flags.DEFINE_string("spec_strategy", "8,4,48", "SD strategy depth,topk,verify_tokens.")
-flags.DEFINE_integer("hot_vocab", 2048, "Draft over this many hot tokens (0: full vocabulary).")
-flags.DEFINE_integer("spec_max_batch", 0, "SD only at <= this many running requests (0: always).")
+flags.DEFINE_integer(
+    "hot_vocab", 2048, "Draft over this many hot tokens (0: full vocabulary).", lower_bound=0
+)
+flags.DEFINE_integer(
+    "spec_max_batch", 0, "SD only at <= this many running requests (0: always).", lower_bound=0
+)
 flags.DEFINE_enum("drafter_sync", "eager", ["eager", "lazy"],
                   "Plain steps keep the drafter in sync (its layer in every plain step) or leave "
                   "it behind (caught up at the switch into SD).")  # fmt: skip

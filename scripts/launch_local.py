@@ -29,7 +29,7 @@ from absl import app, flags
 
 flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 flags.DEFINE_bool("pin_cores", False, "Pin process i to CPU core i (Linux).")
-flags.DEFINE_integer("port", 0, "Coordinator port on localhost (0: a free one).")
+flags.DEFINE_integer("port", 0, "Coordinator port on localhost (0: a free one).", lower_bound=0)
 FLAGS = flags.FLAGS
 
 

@@ -27,8 +27,10 @@ config_flags.DEFINE_config_file("config", None, "Config file (configs/X.py[:vari
                                 lock_config=False)  # fmt: skip
 flags.DEFINE_list("designs", ["config"], "Prompt designs: 'config' or names in DESIGNS.")
 flags.DEFINE_list("samples", ["1", "8"], "Samples per problem; 1 is greedy.")
-flags.DEFINE_integer("num_problems", 32, "Train problems per greedy row.")
-flags.DEFINE_integer("sampled_problems", 8, "Train problems per sampled row (samples > 1).")
+flags.DEFINE_integer("num_problems", 32, "Train problems per greedy row.", lower_bound=1)
+flags.DEFINE_integer(
+    "sampled_problems", 8, "Train problems per sampled row (samples > 1).", lower_bound=1
+)
 flags.DEFINE_string("split", "train", "Split to draw problems from.")
 flags.DEFINE_string("output_json", None, "Write every row (and the responses) here.")
 flags.mark_flags_as_required(["config"])

@@ -23,13 +23,15 @@ from tlt_jax.files import to_json, write_json
 
 _PRESET = flags.DEFINE_string("preset", "", "Model preset (default: qwen2_5_1_5b, tiny on CPU).")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute and parameter dtype.")
-_MAX_BATCH = flags.DEFINE_integer("max_batch", 0, "Largest batch (0: 256, 4 on CPU).")
+_MAX_BATCH = flags.DEFINE_integer(
+    "max_batch", 0, "Largest batch (0: 256, 4 on CPU).", lower_bound=0
+)
 _STRATEGIES = flags.DEFINE_multi_string("strategy", ["3,1,4", "7,1,8", "4,4,16"],
                                         "SD strategy 'depth,topk,verify_tokens' (repeat the "
                                         "flag for several).")  # fmt: skip
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 0, "Context of the timed steps (0: 1024, 16 "
-                                   "on CPU).")  # fmt: skip
-_STEPS = flags.DEFINE_integer("steps", 8, "Timed steps per point.")
+                                   "on CPU).", lower_bound=0)  # fmt: skip
+_STEPS = flags.DEFINE_integer("steps", 8, "Timed steps per point.", lower_bound=1)
 _ATTENTION = flags.DEFINE_list("attention_impls", ["xla", "pallas"],
                                "SD programs' attention, one engine each.")  # fmt: skip
 _HBM_GBPS = flags.DEFINE_float("hbm_gbps", 0.0, "Peak HBM GB/s (0: by device kind).")

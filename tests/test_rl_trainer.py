@@ -705,6 +705,9 @@ def test_evaluate_run_scores_the_latest_checkpoint(tmp_path, monkeypatch):
     assert result.responses == trained.responses and result.correct == trained.correct
     step, _ = evaluate_run(tiny_config(**{"eval.num_problems": 2}), None)
     assert step == 0
+    with _no_model_load("the missing workdir was named"):  # a typo is not the untrained model
+        with pytest.raises(FileNotFoundError, match=r"workdir='.*/typo' is not a directory"):
+            evaluate_run(tiny_config(), tmp_path / "typo")
     assert sorted(p.name for p in tmp_path.iterdir()) == files  # evaluation writes nothing
     # The checkpoint's weights are the trained ones; the untrained model's differ.
     run_weights, from_checkpoint, untrained = weights

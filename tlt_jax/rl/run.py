@@ -241,6 +241,10 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
       (the checkpoint's step, 0 for the untrained model; the result).
     """
     cfg = _as_train_config(config)
+    if workdir is not None and not Path(workdir).is_dir():  # a typo would score the init
+        raise FileNotFoundError(f"workdir={str(workdir)!r} is not a directory; pass a "
+                                "training run's workdir, or none to score the config's "
+                                "model as loaded")  # fmt: skip
     directory = None if workdir is None else Path(workdir) / "checkpoints"
     checkpointer = (
         RunCheckpointer(directory) if directory is not None and directory.is_dir() else None
@@ -256,6 +260,9 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
         tokenizer = policy.build_tokenizer(cfg.model)
         engine = policy.build_engine(cfg, model)
         step = 0
+        if workdir is not None and (checkpointer is None or checkpointer.latest_step() is None):
+            log.warning("%s holds no checkpoint: scoring the config's model as loaded",
+                        workdir)  # fmt: skip
         if checkpointer is not None and checkpointer.latest_step() is not None:
             to_train, to_rollout = policy.resharding_copies(engine.params, mesh)
             optimizer = step_lib.make_optimizer(cfg.optim, cfg.total_steps)
