@@ -83,6 +83,27 @@ def test_a_workdir_of_another_model_is_named(tmp_path):
     reopened.close()
 
 
+def test_a_damaged_checkpoint_is_named_as_damaged_with_the_step_to_resume_from(tmp_path):
+    """Array files lost after a save committed: the run's own state, unreadable. The error
+    said "does not fit this run's state (a workdir of another model config?)"; it names the
+    damage and the earlier step, and removes nothing (both steps stay on disk)."""
+    import shutil
+
+    checkpointer = RunCheckpointer(tmp_path, async_save=False)
+    for step in (1, 2):
+        checkpointer.save(step, _state().replace(step=jnp.int32(step)),
+                          {"epoch": 0, "index": step}, {"model": {"preset": "tiny"}})  # fmt: skip
+    checkpointer.close()
+    shutil.rmtree(tmp_path / "2" / "state" / "d")  # the OCDBT data files
+    reopened = RunCheckpointer(tmp_path)
+    damaged = rf"checkpoint {tmp_path}/2 cannot be read \(files lost or damaged"
+    with pytest.raises(ValueError, match=damaged + r" .* resume from step 1"):
+        reopened.restore(_state())
+    assert reopened.all_steps() == [1, 2]
+    assert reopened.restore(_state(), step=1).step == 1
+    reopened.close()
+
+
 def _env():
     return {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
 

@@ -209,6 +209,19 @@ class RunCheckpointer(_Checkpointer):
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except ValueError as e:  # orbax names a shape, not the checkpoint or its run
+            if self._fits(step, "state", like) is not False and (
+                    not has_drafter or self._fits(step, "drafter", drafter_like) is not False
+            ):  # fmt: skip
+                # Arrays of this run's paths and shapes, or arrays whose own metadata cannot be
+                # read: files lost or damaged after the save committed (a save cut short is
+                # never a step), not a checkpoint of another model.
+                earlier = [s for s in self.all_steps() if s < step]
+                where = (f"move it aside to resume from step {earlier[-1]}" if earlier
+                         else "no earlier checkpoint is here")  # fmt: skip
+                raise ValueError(
+                    f"checkpoint {self.directory}/{step} cannot be read (files lost or damaged "
+                    f"after it was saved, not another model's); {where}: {e}"
+                ) from e
             model = (self.read_config(step) or {}).get("model")
             raise ValueError(
                 f"checkpoint {self.directory}/{step} does not fit this run's state (a workdir "
@@ -221,6 +234,15 @@ class RunCheckpointer(_Checkpointer):
                   if has_buffer else None)  # fmt: skip
         return Restored(step, state, dict(restored.data), dict(restored.config), extra, drafter,
                         buffer)  # fmt: skip
+
+    def _fits(self, step: int, item: str, like: Any) -> bool | None:
+        """Whether `item`'s array paths and shapes at `step` (orbax's metadata) are `like`'s;
+        None when that metadata cannot be read (it lives in the array store too)."""
+        try:
+            shapes = self.read_shapes(item, step)
+        except ValueError:  # tensorstore's read errors (NOT_FOUND, DATA_LOSS, ...)
+            return None
+        return shapes == tree_paths(like)
 
     def _target(self, like):
         if self._process_local:  # restored as host arrays, then placed like `like`
