@@ -204,6 +204,12 @@ def main(argv):
                 figure = timing.spread(runs[side][mode][str(batch)])
                 print(f"{side:12s} {mode:7s} batch {batch:3d}: best {figure['max']:7.1f} "
                       f"median {figure['median']:7.1f} tok/s", flush=True)  # fmt: skip
+            if FLAGS.output_json:  # the points measured so far outlive a later failure
+                write_json(FLAGS.output_json, {
+                    "command": command, "partial": True, "model": FLAGS.model,
+                    "new_tokens": FLAGS.new_tokens, "repeats": FLAGS.repeats,
+                    "tokens_per_s_runs": runs, "compile_seconds": compile_seconds,
+                }, indent=2)  # fmt: skip
     tokens_per_s = {side: {m: {b: timing.spread(v) for b, v in by_batch.items()}
                            for m, by_batch in by_mode.items()}
                     for side, by_mode in runs.items()}  # fmt: skip

@@ -55,10 +55,14 @@ def main(argv):
 
     command = "python " + " ".join(sys.argv)
     print(command, flush=True)
+
+    def partial(result):  # each multiplier's figures on disk once measured
+        write_json(FLAGS.output_json, {**result, "command": command, "partial": True}, indent=2)
+
     result = bench_tlt(FLAGS.config, steps=FLAGS.steps, warmup=FLAGS.warmup,
                        batch_multipliers=tuple(int(m) for m in FLAGS.batch_multipliers),
-                       greedy_repeats=FLAGS.greedy_repeats,
-                       same_policy=FLAGS.same_policy)  # fmt: skip
+                       greedy_repeats=FLAGS.greedy_repeats, same_policy=FLAGS.same_policy,
+                       on_batch=partial)  # fmt: skip
     result["command"] = command
     write_json(FLAGS.output_json, result, indent=2)
     stem = FLAGS.output_json.removesuffix(".json")

@@ -16,8 +16,11 @@ from tlt_jax.rollout.sampling import SamplingParams
 
 
 def test_bench_tlt_runs_both_sides_on_the_tiny_config():
+    partial = []  # what the script writes after each multiplier, before the next one runs
     result = bench_tlt(tiny_config(), steps=1, warmup=1, batch_multipliers=(1,),
-                       greedy_repeats=2)  # fmt: skip
+                       greedy_repeats=2,
+                       on_batch=lambda r: partial.append(list(r["by_batch"])))  # fmt: skip
+    assert partial == [["1"]]
     one = result["by_batch"]["1"]
     # The measured step follows a warm-up step on each side: with `same_policy` (the default)
     # both sides start it from the plain side's updated policy.

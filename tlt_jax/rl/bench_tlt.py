@@ -35,6 +35,7 @@ import dataclasses
 import platform
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -230,7 +231,8 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int,
 
 def bench_tlt(config: Any, *, steps: int = 2, warmup: int = 1,
               batch_multipliers: tuple[int, ...] = (1, 2), greedy_repeats: int = 3,
-              same_policy: bool = True) -> dict[str, Any]:  # fmt: skip
+              same_policy: bool = True, on_batch: Callable[[dict], None] | None = None
+              ) -> dict[str, Any]:  # fmt: skip
     """Plain vs TLT RL steps at the config's batch and multiples of it.
 
     Args:
@@ -241,12 +243,14 @@ def bench_tlt(config: Any, *, steps: int = 2, warmup: int = 1,
       greedy_repeats: timed greedy rollouts per side (after one compiling pass).
       same_policy: start every RL step of both sides from the plain side's policy (module
         docstring); False lets each side follow its own samples.
+      on_batch: called with the results so far after each multiplier (a long run's figures
+        outlive a later multiplier's failure).
 
     Returns:
       JSON-serialisable results per multiplier (`by_batch`) and the machine.
     """
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.from_config_dict(config)
-    return {
+    result = {
         "model": cfg.model.name or cfg.model.preset,
         "max_new_tokens": cfg.rollout.max_new_tokens,
         "temperature": cfg.rollout.temperature,
@@ -254,7 +258,12 @@ def bench_tlt(config: Any, *, steps: int = 2, warmup: int = 1,
         "steps_measured": steps,
         "warmup_steps": warmup,
         "same_policy": same_policy,
-        "by_batch": {str(m): bench_one(_scaled(cfg, m), steps=steps, warmup=warmup,
-                                       greedy_repeats=greedy_repeats, same_policy=same_policy)
-                     for m in batch_multipliers},
-    }  # fmt: skip
+        "by_batch": {},
+    }
+    for m in batch_multipliers:
+        result["by_batch"][str(m)] = bench_one(_scaled(cfg, m), steps=steps, warmup=warmup,
+                                               greedy_repeats=greedy_repeats,
+                                               same_policy=same_policy)  # fmt: skip
+        if on_batch is not None:
+            on_batch(result)
+    return result
