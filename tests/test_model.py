@@ -142,6 +142,48 @@ def smollm2():
     return ours, hf, np.asarray([prompt], np.int32), tokenizer
 
 
+def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """transformers converts a GGUF file's tokenizer from its metadata on every load (8-15 s
+    here); `load_tokenizer` keeps the conversion under `tokenizer_cache_dir()`. The copy read
+    back renders chats, encodes and decodes as the conversion does; an unreadable copy is
+    converted again and replaced."""
+    from tlt_jax.data.tokenizer import stop_token_ids
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = checkpoints.resolve_model_path("smollm2-135m-instruct")
+    converted = checkpoints.load_tokenizer(path)  # converts, then writes the cache
+    (entry,) = checkpoints.tokenizer_cache_dir().iterdir()
+    conversions, read = [], transformers.AutoTokenizer.from_pretrained
+
+    def spy(*args, **kwargs):
+        if "gguf_file" in kwargs:
+            conversions.append(args)
+            return converted
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    cached = checkpoints.load_tokenizer(path)
+    assert not conversions and cached is not converted
+    chats = [[{"role": "user", "content": "What is 17 times 23? Think step by step."}],
+             [{"role": "system", "content": "Reply with the result only."},
+              {"role": "user", "content": "Ünïcode 中文 <|im_end|> #### 42"}]]  # fmt: skip
+    for chat in chats:
+        text = converted.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert cached.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == text
+        ids = converted.encode(text, add_special_tokens=False)
+        assert cached.encode(text, add_special_tokens=False) == ids
+        assert cached.decode(ids, skip_special_tokens=True) == converted.decode(
+            ids, skip_special_tokens=True)  # fmt: skip
+    assert stop_token_ids(cached) == stop_token_ids(converted)
+    assert (len(cached), cached.special_tokens_map) == (
+        len(converted),
+        converted.special_tokens_map,
+    )
+    (entry / "tokenizer.json").write_text("{")  # unreadable: converted again, then replaced
+    assert checkpoints.load_tokenizer(path) is converted and len(conversions) == 1
+    assert checkpoints.load_tokenizer(path) is not converted and len(conversions) == 1
+
+
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers(smollm2):
     ours, hf, prompt, _ = smollm2

@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +27,8 @@ from tlt_jax.models import transformer as transformer_lib
 from tlt_jax.models.config import ModelConfig, RopeScaling, config_from_hf_dict
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.parallel import sharding as sharding_lib
+
+log = logging.getLogger(__name__)
 
 # Short names -> (installed package, file inside it). Nothing is ever downloaded.
 MODEL_ALIASES = {
@@ -559,11 +564,55 @@ def export_hf(
     return out
 
 
+def tokenizer_cache_dir() -> Path:
+    """Where GGUF tokenizers converted by transformers are kept (`load_tokenizer`):
+    `$XDG_CACHE_HOME/tlt_jax/tokenizers` (default `~/.cache/tlt_jax/tokenizers`)."""
+    root = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(root).expanduser() / "tlt_jax" / "tokenizers"
+
+
+def _converted_tokenizer_key(path: Path) -> str:
+    """A cache key for `path`'s converted tokenizer: the file (resolved path, size and
+    modification time, as Python keys its bytecode cache) and transformers' version, whose
+    conversion it is. An edit in place changes the time; a copy elsewhere converts again."""
+    import transformers
+
+    stat = path.stat()
+    text = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    return f"{path.stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
 def load_tokenizer(name_or_path: str | os.PathLike):
-    """The checkpoint's tokenizer (with chat template) through transformers; GGUF included."""
+    """The checkpoint's tokenizer (with chat template) through transformers; GGUF included.
+
+    transformers converts a GGUF file's tokenizer from its metadata on every load (8-15 s
+    for SmolLM2's 49,152 tokens on a 2-core CPU); the converted tokenizer is saved once under
+    `tokenizer_cache_dir()` and later loads read it (0.5 s). A cache that cannot be written
+    or read is skipped (the conversion is the result)."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
+    if path.suffix != ".gguf":
+        return AutoTokenizer.from_pretrained(str(path))
+    cached = tokenizer_cache_dir() / _converted_tokenizer_key(path)
+    if cached.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as e:  # noqa: BLE001  (tokenizers raises plain Exceptions too)
+            log.warning("converted tokenizer cache %s unreadable (%s): converting again", cached, e)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    scratch = None
+    try:  # written aside, then renamed: a reader never sees half a directory
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        scratch = tempfile.mkdtemp(dir=cached.parent, prefix=".converting-")
+        tokenizer.save_pretrained(scratch)
+        if cached.is_dir():  # unreadable above: replaced
+            shutil.rmtree(cached, ignore_errors=True)
+        os.rename(scratch, cached)
+    except OSError as e:
+        if not cached.is_dir():  # else another process renamed its copy first: kept
+            log.warning("cannot cache the converted tokenizer under %s: %s", cached.parent, e)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)  # nothing there after the rename
+    return tokenizer
