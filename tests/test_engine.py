@@ -51,6 +51,22 @@ def reference_greedy(model, prompt, n):
     return seq[len(prompt) :]
 
 
+def _on_mesh(model, shape):
+    """`model` with its parameters sharded over a mesh of `shape` by the rollout's rules;
+    (the sharded model, the mesh, the rules)."""
+    from flax import nnx
+
+    from tlt_jax.parallel import sharding
+
+    mesh = sharding.make_mesh(shape)
+    graphdef, state = nnx.split(model)
+    rules = sharding.rules_for("rollout")
+    sharded = nnx.merge(
+        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
+    )
+    return sharded, mesh, rules
+
+
 def random_requests(rng, n, vocab=256, **kwargs):
     return [
         Request(rng.integers(0, vocab, rng.integers(2, 40)).tolist(), int(rng.integers(1, 30)),
@@ -229,19 +245,12 @@ def test_sharded_engine_keeps_its_state_sharded_and_its_tokens(model, layers_per
     vocabulary with a few values per row (`sampling.VocabAxis`): the partitioner gathered
     the [B, V] logits in every step (4,160 bytes per plain step of 4 rows here, before), and
     in every prefill."""
-    from flax import nnx
 
     from tlt_jax.models.drafter import init_drafter
-    from tlt_jax.parallel import sharding
     from tlt_jax.programs import collective_report, collectives
     from tlt_jax.rollout.adaptive import FixedPolicy, StepChoice
 
-    mesh = sharding.make_mesh((2, 2))
-    graphdef, state = nnx.split(model)
-    rules = sharding.rules_for("rollout")
-    sharded = nnx.merge(
-        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
-    )
+    sharded, mesh, rules = _on_mesh(model, (2, 2))
     drafter = init_drafter(model.config, 3)
     config = EngineConfig(max_batch_size=4, max_seq_len=128, max_prefill_batch=2,
                           min_kv_bucket=32, layers_per_program=layers_per_program,
@@ -301,17 +310,10 @@ def test_a_data_sharded_engine_keeps_each_slots_math_on_its_device(model):
     step below it).
     A slot move sends one row, not every layer's whole cache (it all-gathered the cache onto
     every device). (SD's acceptance per device: the (2, 2) test above.)"""
-    from flax import nnx
 
-    from tlt_jax.parallel import sharding
     from tlt_jax.programs import collective_report
 
-    mesh = sharding.make_mesh((2, 1))
-    graphdef, state = nnx.split(model)
-    rules = sharding.rules_for("rollout")
-    sharded = nnx.merge(
-        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
-    )
+    sharded, _, _ = _on_mesh(model, (2, 1))
     config = EngineConfig(max_batch_size=4, max_seq_len=64, max_prefill_batch=2,
                           min_kv_bucket=32)  # fmt: skip
     sampling = SamplingParams(temperature=0.8, top_p=0.9)
@@ -345,17 +347,9 @@ def test_a_mesh_engine_compiles_a_program_per_input_sharding(model):
     """On a mesh a compiled program accepts only the input shardings it was compiled for, and
     one program's output may come in another sharding than the last caller's (SmolLM2's layered
     verify on a (2, 1) mesh raised here): the engine keys its programs by input sharding too."""
-    from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from tlt_jax.parallel import sharding
-
-    mesh = sharding.make_mesh((2, 2))
-    graphdef, state = nnx.split(model)
-    rules = sharding.rules_for("rollout")
-    sharded = nnx.merge(
-        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
-    )
+    sharded, mesh, _ = _on_mesh(model, (2, 2))
     engine = RolloutEngine(sharded, EngineConfig(max_batch_size=4, max_seq_len=64))
     x = jnp.arange(32.0).reshape(4, 8)
     for spec in (PartitionSpec("data"), PartitionSpec(), PartitionSpec("data")):
@@ -436,16 +430,8 @@ def test_a_compiled_one_program_runs_at_once_on_a_mesh(model):
     does) runs as it from its first step, also on a mesh, where the pool's keys end with the
     arguments' sharding signature (the check missed those, so such a bucket ran
     `one_program_after` layered steps, compiling their programs, before using its program)."""
-    from flax import nnx
 
-    from tlt_jax.parallel import sharding
-
-    mesh = sharding.make_mesh((2, 1))
-    graphdef, state = nnx.split(model)
-    rules = sharding.rules_for("rollout")
-    sharded = nnx.merge(
-        graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules))
-    )
+    sharded, _, _ = _on_mesh(model, (2, 1))
     config = EngineConfig(max_batch_size=2, max_seq_len=128, min_kv_bucket=128,
                           layers_per_program=1, one_program_after=100)  # fmt: skip
     engine = RolloutEngine(sharded, config)
