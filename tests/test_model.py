@@ -517,6 +517,21 @@ def write_gguf(path, tensors: dict, raw_dtypes: dict | None = None):
     return path
 
 
+def test_a_gguf_file_is_parsed_once_while_unchanged(tmp_path):
+    """`load_config` and `load_model` share one parse of a GGUF file (gguf's reader takes
+    6-11 s over SmolLM2's metadata); the same file by another path is the same parse, an
+    edited one (a new modification time) is parsed again."""
+    import os
+
+    path = write_gguf(tmp_path / "m.gguf", {"blk.0.attn_norm.weight": np.ones(8, np.float32)})
+    first = checkpoints.gguf_source(path)
+    (tmp_path / "link.gguf").symlink_to(path)
+    assert checkpoints.gguf_source(tmp_path / "link.gguf") is first
+    mtime = path.stat().st_mtime_ns
+    os.utime(path, ns=(mtime, mtime + 1_000_000_000))
+    assert checkpoints.gguf_source(path) is not first
+
+
 @pytest.mark.parametrize("qtype", ["I8", "IQ4_NL"])
 def test_gguf_unsupported_quantisation(tmp_path, qtype, no_compiles):
     import gguf
