@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -66,6 +67,12 @@ def test_round_trip_retention_and_crash_leftovers(tmp_path):
     reopened.close()
 
 
+# A failed orbax restore leaves its other array reads' coroutines to the garbage collector,
+# each "Exception ignored" (orbax's own; collected inside the test so they are counted here).
+_FAILED_READS = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@_FAILED_READS
 def test_a_workdir_of_another_model_is_named(tmp_path):
     from flax import nnx
 
@@ -80,9 +87,11 @@ def test_a_workdir_of_another_model_is_named(tmp_path):
     reopened = RunCheckpointer(tmp_path)
     with pytest.raises(ValueError, match=rf"checkpoint {tmp_path}/2 does not fit .*'tiny'"):
         reopened.restore(like)
+    gc.collect()
     reopened.close()
 
 
+@_FAILED_READS
 def test_a_damaged_checkpoint_is_named_as_damaged_with_the_step_to_resume_from(tmp_path):
     """Array files lost after a save committed: the run's own state, unreadable. The error
     said "does not fit this run's state (a workdir of another model config?)"; it names the
@@ -99,6 +108,7 @@ def test_a_damaged_checkpoint_is_named_as_damaged_with_the_step_to_resume_from(t
     damaged = rf"checkpoint {tmp_path}/2 cannot be read \(files lost or damaged"
     with pytest.raises(ValueError, match=damaged + r" .* resume from step 1"):
         reopened.restore(_state())
+    gc.collect()
     assert reopened.all_steps() == [1, 2]
     assert reopened.restore(_state(), step=1).step == 1
     reopened.close()
