@@ -309,6 +309,9 @@ def test_generate_config_draft_source():
         GenerateConfig(draft="hybrid")
     with pytest.raises(ValueError, match="draft='medusa' is not one of"):
         GenerateConfig(draft="medusa")
+    # A context that cannot hold the new tokens is named before the model loads.
+    with pytest.raises(ValueError, match=r"max_new_tokens=256 must be < max_seq_len=4 "):
+        GenerateConfig(max_seq_len=4)
 
 
 def test_generate_refuses_an_unwritable_output_before_loading_the_model(tmp_path, monkeypatch):

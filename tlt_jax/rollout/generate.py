@@ -57,6 +57,9 @@ class GenerateConfig:
         SamplingParams(self.temperature, self.top_p, self.top_k)
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be > 0")
+        if self.max_new_tokens >= self.max_seq_len:  # no prompt of a token fits: say so now
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be < max_seq_len="
+                             f"{self.max_seq_len} (the context holds the prompt too)")  # fmt: skip
         SpecStrategy.parse(self.spec_strategy)
         if self.draft not in ("", *DRAFT_SOURCES):
             raise ValueError(f"draft={self.draft!r} is not one of {['', *DRAFT_SOURCES]}")
