@@ -4,7 +4,8 @@ untrained model) on the held-out split.
     python scripts/eval.py --config configs/smollm2_arith.py --workdir /tmp/tlt_main
     python scripts/eval.py --config configs/smollm2_arith.py --num_problems=500
 
-Without --workdir (or with one that has no checkpoint) the config's model is scored as loaded.
+Without --workdir (or with one that has no checkpoint, with a warning) the config's model is
+scored as loaded; a --workdir that does not exist is refused.
 The config's `data` may differ from the run's; a checkpoint of another model than the config's
 (other weights, preset, init seed or tokenizer) is refused unless
 --config.checkpoint.allow_model_change=True.
