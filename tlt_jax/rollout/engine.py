@@ -623,6 +623,7 @@ class RolloutEngine:
         self.forward = (LayeredForward(model.config, block, self._program)
                         if 0 < block < model.config.num_layers else None)  # fmt: skip
         self._layered_steps: dict[tuple, int] = {}
+        self._one_program_keys: set[tuple] = set()  # promoted: never looked up again
         self._steady = False  # `one_program_steps`
         self.spec = SpecRunner(config, self.graphdef, self.drafter_config, self.stats,
                                self._program, self.ngram, self.forward,
@@ -772,11 +773,12 @@ class RolloutEngine:
         without a layered forward, and with one once the key was compiled or has run
         `one_program_after` layered steps (then it compiles); else the step runs layered
         and is counted."""
-        if self.forward is None or self._steady or self._compiled_as_one(key):
+        if self.forward is None or self._steady or key in self._one_program_keys:
             return True
         steps = self._layered_steps.get(key, 0)
         after = self.config.one_program_after
-        if after and steps >= after:
+        if (after and steps >= after) or self._compiled_as_one(key):
+            self._one_program_keys.add(key)
             return True
         self._layered_steps[key] = steps + 1
         return False
@@ -785,7 +787,8 @@ class RolloutEngine:
         """Whether the pool holds the one program of `key` (compiled by this engine or by
         another one sharing the pool, e.g. under `one_program_steps`). On a mesh the pool's
         keys end with the arguments' sharding signature (`_program`), which a step only
-        knows once it has built its arguments: any signature counts."""
+        knows once it has built its arguments: any signature counts (a scan of the pool's
+        keys, so `_one_program` asks only until the key is promoted)."""
         pool_key = self._pool_key(key)
         if self._mesh is None:
             return pool_key in self.pool
