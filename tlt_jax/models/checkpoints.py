@@ -272,10 +272,16 @@ class GGUFSource:
         return array
 
 
+def _file_identity(path: Path) -> tuple[Path, int, int]:
+    """(resolved path, size, modification time in ns): a file's key in the caches below, as
+    Python keys its bytecode cache; an edit in place changes the time."""
+    stat = path.stat()
+    return path.resolve(), stat.st_size, stat.st_mtime_ns
+
+
 @functools.lru_cache(maxsize=2)
-def _gguf_source(path: Path, size: int, mtime_ns: int) -> GGUFSource:
-    del size, mtime_ns  # the cache key: an edited file is read again
-    return GGUFSource(path)
+def _gguf_source(identity: tuple[Path, int, int]) -> GGUFSource:
+    return GGUFSource(identity[0])
 
 
 def gguf_source(path: Path) -> GGUFSource:
@@ -283,8 +289,7 @@ def gguf_source(path: Path) -> GGUFSource:
     `gguf`'s reader parses every metadata field in Python (6-11 s for SmolLM2's 147k, most of
     them its tokenizer's), and a run reads the config (`load_config`, the architecture check)
     before the weights (`load_model`). The source is read-only after it is built."""
-    stat = path.stat()
-    return _gguf_source(path.resolve(), stat.st_size, stat.st_mtime_ns)
+    return _gguf_source(_file_identity(path))
 
 
 def open_source(path: Path) -> SafetensorsSource | GGUFSource:
@@ -588,13 +593,12 @@ def tokenizer_cache_dir() -> Path:
 
 
 def _converted_tokenizer_key(path: Path) -> str:
-    """A cache key for `path`'s converted tokenizer: the file (resolved path, size and
-    modification time, as Python keys its bytecode cache) and transformers' version, whose
-    conversion it is. An edit in place changes the time; a copy elsewhere converts again."""
+    """A cache key for `path`'s converted tokenizer: the file (`_file_identity`) and
+    transformers' version, whose conversion it is. A copy elsewhere converts again."""
     import transformers
 
-    stat = path.stat()
-    text = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    resolved, size, mtime_ns = _file_identity(path)
+    text = f"{resolved}:{size}:{mtime_ns}:{transformers.__version__}"
     return f"{path.stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
