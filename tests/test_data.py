@@ -2,9 +2,11 @@
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -132,9 +134,10 @@ def test_registered_builder_reads_through_tfds_data_source_without_tensorflow(tm
         print(len(source), answer)
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
-    )
+    # TFDS leaves an empty mkdtemp("tfds") folder per first build (`pipeline._tfds_scratch`).
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     count, answer = result.stdout.split()[-2:]
     assert count == "500"
@@ -168,6 +171,20 @@ def test_processes_sharing_a_data_dir_build_it_once_without_racing(tmp_path):
         assert p.returncode == 0, err[-3000:]
     outputs = {out.strip().splitlines()[-1] for out, _ in results}
     assert len(outputs) == 1 and json.loads(outputs.pop())[0] == 2000
+
+
+def test_a_first_build_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    # TFDS's DatasetInfo.initialize_from_bucket makes a mkdtemp("tfds") folder on every first
+    # build and never removes it; load_split sends it into data_dir and removes it.
+    system_tmp = tmp_path / "system_tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    config = arithmetic.make_config("level1", num_train=20, num_test=4)
+    loaded = pipeline.load_split("arithmetic", "test", data_dir=tmp_path / "data", config=config)
+    assert len(loaded) == 4
+    assert tempfile.tempdir == str(system_tmp)  # restored
+    assert list(system_tmp.iterdir()) == []
+    assert not (tmp_path / "data" / ".tfds_scratch").exists()
 
 
 # GSM8K builder.

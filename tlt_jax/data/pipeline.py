@@ -12,10 +12,13 @@ for checkpoints, and restoring it replays exactly the batches that would have co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,6 +44,25 @@ def _to_python(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+@contextlib.contextmanager
+def _tfds_scratch(data_dir: Path):
+    """Temporary folders made meanwhile go under `data_dir` and are removed after.
+
+    A builder whose dataset is not built yet calls `DatasetInfo.initialize_from_bucket`, which
+    makes a `tempfile.mkdtemp("tfds")` folder for GCS metadata and, with GCS off (here, always),
+    returns without removing it (TFDS 4.9): one empty `/tmp/tmp*tfds` folder per first build,
+    200 in a day of test runs. The caller holds the build lock, so one process at a time.
+    """
+    scratch = data_dir / ".tfds_scratch"
+    scratch.mkdir(exist_ok=True)
+    before, tempfile.tempdir = tempfile.tempdir, os.fspath(scratch)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_split(
@@ -83,8 +105,9 @@ def load_split(
     # Closing the lock file releases the lock.
     with (data_dir / ".prepare.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        builder = _BUILDERS[name](data_dir=os.fspath(data_dir), file_format="array_record",
-                                  **builder_kwargs)  # fmt: skip
+        with _tfds_scratch(data_dir):
+            builder = _BUILDERS[name](data_dir=os.fspath(data_dir), file_format="array_record",
+                                      **builder_kwargs)  # fmt: skip
         # A no-op when the build is already in data_dir.
         builder.download_and_prepare(download_config=download_config,
                                      file_format="array_record")  # fmt: skip
