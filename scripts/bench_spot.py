@@ -10,6 +10,7 @@ training off and on side by side, alternating, `--rounds` times, plain decoding 
 (`tlt_jax/rl/bench_spot.py`). Process 0 prints the command and writes the JSON.
 """
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -31,7 +32,7 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "slices", 2, "Rollout slices in all (a multiple of the processes).", lower_bound=1
 )
-flags.DEFINE_string("workdir", None, "Scratch directory (default: a temporary one).")
+flags.DEFINE_string("workdir", None, "Scratch directory, kept (default: a temporary one, removed).")
 
 
 def main(argv):
@@ -54,8 +55,10 @@ def main(argv):
     if primary:
         print(command, flush=True)
     config = bench_config(TrainConfig.from_config_dict(FLAGS.config), FLAGS.slices)
-    workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="tlt_bench_spot_")
-    result = bench_spot(config, f"{workdir}/{jax.process_index()}", rounds=FLAGS.rounds)
+    with contextlib.ExitStack() as stack:  # a scratch workdir is removed at the end
+        workdir = FLAGS.workdir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="tlt_bench_spot_"))  # fmt: skip
+        result = bench_spot(config, f"{workdir}/{jax.process_index()}", rounds=FLAGS.rounds)
     result["command"] = command
     if primary:
         write_json(FLAGS.output_json, result, indent=2)
