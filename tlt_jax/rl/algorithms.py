@@ -188,13 +188,24 @@ def token_weights(aggregation: str, lengths: Sequence[int]) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # KL estimators against a frozen reference: fn(logprobs_BxT, ref_logprobs_BxT) -> kl_BxT.
-# Samples come from the current policy, so these estimate KL(policy || reference).
+# Samples come from the current policy, so each one's value estimates KL(policy || reference).
+# As a loss term (the samples are data: no score-function term) their gradients differ
+# (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL"):
+# k2's expected gradient is that of KL(policy || reference); k3's (GRPO's) that of
+# KL(reference || policy); k1's is zero, so `AlgorithmConfig` refuses k1 with kl_coef > 0.
+# `tests/test_algorithms.py` checks all three against exact gradients on a small vocabulary.
 # ---------------------------------------------------------------------------------------------
 
 
 def kl_k1(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array) -> jax.Array:
     """Unbiased, high-variance, can be negative per token: `logp - ref_logp`."""
     return logprobs_BxT - ref_logprobs_BxT
+
+
+def kl_k2(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array) -> jax.Array:
+    """Biased, low-variance, always >= 0: `(logp - ref_logp)^2 / 2`; as a loss, its expected
+    gradient is exactly that of KL(policy || reference)."""
+    return 0.5 * jnp.square(logprobs_BxT - ref_logprobs_BxT)
 
 
 def kl_k3(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array) -> jax.Array:
@@ -205,6 +216,7 @@ def kl_k3(logprobs_BxT: jax.Array, ref_logprobs_BxT: jax.Array) -> jax.Array:
 
 KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "k1": kl_k1,
+    "k2": kl_k2,
     "k3": kl_k3,
 }
 
@@ -435,7 +447,7 @@ class AlgorithmConfig:
       epsilon_high: upper clip range (ratio <= 1 + epsilon_high); None means `epsilon`.
         DAPO's clip-higher uses e.g. 0.28 with epsilon 0.2.
       kl_coef: weight of the KL penalty to the reference; 0 disables it.
-      kl_estimator: key of `KL_ESTIMATORS`.
+      kl_estimator: key of `KL_ESTIMATORS` (k1 only with kl_coef 0: see the KL section).
       advantage_eps: added to the group std by `grpo`.
     """
 
@@ -460,6 +472,12 @@ class AlgorithmConfig:
                 raise ValueError(f"rl.{field}={value!r} must be a finite number >= 0")
         if self.epsilon >= 1.0:
             raise ValueError(f"rl.epsilon={self.epsilon!r} must be < 1 (ratio floor 1 - epsilon)")
+        if self.kl_estimator == "k1" and self.kl_coef > 0:
+            raise ValueError(
+                f"rl.kl_estimator='k1' with rl.kl_coef={self.kl_coef!r}: k1 as a loss term has "
+                "zero expected gradient on the policy's own samples, so the penalty would pull "
+                "nowhere; use 'k2' (the gradient of KL(policy || reference)) or 'k3' (GRPO's)"
+            )
 
 
 def compute_advantages(config: AlgorithmConfig, rewards_PxG: jax.Array) -> jax.Array:
