@@ -136,7 +136,7 @@ class _Exact(_Recorder):
         return self.asked > 1
 
     def train_on(self, slice_, stop: threading.Event, on_step) -> int:
-        for _ in range(self.exact_steps):  # SpotTrainer ignores the stop in exact mode
+        for _ in range(self.exact_steps):
             self.steps.append((slice_.index, stop.is_set()))
             on_step(0.001)
         return self.exact_steps
@@ -148,7 +148,9 @@ def test_exact_steps_run_after_the_rollout_when_no_idle_window_held_them(two_sli
         [_requests(1, 2), _requests(2, 12)])  # fmt: skip
     assert report.drafter_steps == 3 and trainable.asked == 2
     assert report.trainer_slice == 0  # the first slice to finish
-    assert all(stopped for _, stopped in trainable.steps)  # after the rollout's end
+    # After the rollout's end, with a stop that only a failed rollout sets (not preempted).
+    assert all(end >= report.rollout_s for _, end in report.drafter_step_spans)
+    assert not any(stopped for _, stopped in trainable.steps)
     assert [len(c.token_ids) for c in out[1]] == [12] * 2
     # Exact steps ignore the stop: whatever they run past the rollout is no preemption.
     assert report.preemption_latency_s is None
@@ -263,6 +265,72 @@ def test_a_slice_failing_on_another_process_stops_this_one_too(two_slices, peer_
         return
     with pytest.raises(RuntimeError, match=r"slice failed on process\(es\) \[1\]"):
         scheduler.rollout(requests, group=_Peers(True))
+
+
+class _PeerTimesOut(_Peers):
+    """Process 0 of two whose peer never reports its slices done: the wait for it fails (as
+    `ProcessGroup.wait_for` does after its timeout); this process holds the trainer role."""
+
+    def __init__(self):
+        self.values = {"start/0/1": 0.0}
+
+    def wait_for(self, key, process):
+        if process != self.index and key.startswith("done/"):
+            raise TimeoutError(f"{key} of process {process}")
+        return super().wait_for(key, process)
+
+    def claim(self, key):
+        return True
+
+
+def test_a_failed_wait_for_a_peer_stops_the_drafter_trainer_before_it_raises(two_slices):
+    """The trainer ran until preempted; an error in the controller used to leave it training
+    for ever behind the raised error (holding the drafter's lock)."""
+    trainable = _Recorder()
+    with pytest.raises(TimeoutError, match="done/0 of process 1"):
+        SpotScheduler(two_slices, trainable).rollout([_requests(1, 2), _requests(2, 12)],
+                                                     group=_PeerTimesOut())  # fmt: skip
+    steps = len(trainable.steps)
+    assert steps > 0  # it was training (the peer looked busy)
+    time.sleep(0.1)
+    assert len(trainable.steps) == steps
+    assert not [t for t in threading.enumerate() if t.name.endswith("-drafter")]
+
+
+class _FailsAfter(_Recorder):
+    """Applies `applied` drafter steps, then crashes."""
+
+    def __init__(self, applied: int):
+        super().__init__()
+        self.applied = applied
+
+    def train_on(self, slice_, stop, on_step) -> int:
+        for _ in range(self.applied):
+            self.steps.append(slice_.index)
+            on_step(0.001)
+        raise RuntimeError("a drafter trainer that crashed after some steps")
+
+
+def test_a_trainer_that_crashes_midway_reports_the_steps_it_applied(two_slices):
+    """The steps stay applied (`OnlineDrafter.train_on` keeps them); the report said 0."""
+    out, report = SpotScheduler(two_slices, _FailsAfter(3)).rollout(
+        [_requests(1, 2), _requests(2, 12)])  # fmt: skip
+    assert report.trainer_failures == 1
+    assert report.drafter_steps == 3 and report.metrics()["spot_drafter_steps"] == 3
+    assert [len(c.token_ids) for c in out[1]] == [12] * 2
+
+
+class _PeerFailedClaimable(_Peers):
+    def claim(self, key):
+        return True
+
+
+def test_exact_steps_do_not_run_when_a_peer_failed(two_slices):
+    trainable = _Exact()
+    with pytest.raises(RuntimeError, match=r"slice failed on process\(es\) \[1\]"):
+        SpotScheduler(two_slices, trainable).rollout([_requests(1, 2), _requests(1, 3)],
+                                                     group=_PeerFailedClaimable(True))  # fmt: skip
+    assert trainable.steps == []
 
 
 def _stats(spot_metrics) -> dict:

@@ -46,6 +46,10 @@ from tlt_jax.rollout.engine import Completion, Request, RolloutEngine
 log = logging.getLogger(__name__)
 
 
+# How long a failing rollout waits for the drafter trainer to reach a step boundary.
+_TRAINER_JOIN_S = 120.0
+
+
 class SliceState(enum.Enum):
     BUSY = "busy"
     IDLE = "idle"
@@ -70,6 +74,8 @@ class SpotTrainable(Protocol):
 
     `exact_steps` > 0 asks for exactly that many steps per rollout: when no slice went idle
     while another decoded, the trainer runs after the rollout on the first slice that finished.
+    Such a trainer is not preempted when the rollout ends; its `stop` is set only when the
+    rollout fails.
     """
 
     exact_steps: int
@@ -228,11 +234,16 @@ class SpotScheduler:
         trainer: threading.Thread | None = None
         train_span = [0.0, 0.0]
 
+        # `stop` preempts a trainer when the rollout ends; `abort` when it fails (the only
+        # stop an exact-steps trainer heeds).
+        abort = threading.Event()
+
         def on_step(seconds: float, applied: bool = True) -> None:
             end = time.perf_counter() - start
-            if applied:
+            if applied:  # counted here: a trainer that fails later keeps the steps it applied
                 report.drafter_step_s.append(seconds)
                 report.drafter_step_spans.append((end - seconds, end))
+                report.drafter_steps = len(report.drafter_step_s)
             else:
                 report.dropped_step_spans.append((end - seconds, end))
 
@@ -241,7 +252,8 @@ class SpotScheduler:
             train_span[0] = time.perf_counter() - start
             try:
                 with s.device_context():
-                    report.drafter_steps = self.trainable.train_on(s, stop, on_step)
+                    self.trainable.train_on(s, abort if self.trainable.exact_steps else stop,
+                                            on_step)  # fmt: skip
             except Exception:
                 report.trainer_failures += 1
                 log.warning("drafter training on slice %d failed; the rollout goes on with "
@@ -249,55 +261,75 @@ class SpotScheduler:
             finally:
                 train_span[1] = time.perf_counter() - start
 
-        remaining = len(self.slices)
-        while remaining:
-            i, t = finished.get()
-            remaining -= 1
-            finish[i] = t
-            self.slices[i].state = SliceState.IDLE
-            if errors[i] is not None:
-                stop.set()
-            if multi and not remaining:  # this process's slices are all done
-                group.set(f"done/{step}", {"failed": any(e is not None for e in errors)})
-            busy_elsewhere = remaining > 0 or (multi and not _all_done(group, step))
-            if (busy_elsewhere and trainer is None and self.trainable is not None
-                    and not stop.is_set() and self.trainable.ready()
+        try:
+            remaining = len(self.slices)
+            while remaining:
+                i, t = finished.get()
+                remaining -= 1
+                finish[i] = t
+                self.slices[i].state = SliceState.IDLE
+                if errors[i] is not None:
+                    stop.set()
+                    abort.set()
+                if multi and not remaining:  # this process's slices are all done
+                    group.set(f"done/{step}", {"failed": any(e is not None for e in errors)})
+                busy_elsewhere = remaining > 0 or (multi and not _all_done(group, step))
+                if (busy_elsewhere and trainer is None and self.trainable is not None
+                        and not stop.is_set() and self.trainable.ready()
+                        and (group is None or group.claim(f"trainer/{step}"))):  # fmt: skip
+                    self.slices[i].state = SliceState.TRAINING
+                    report.trainer_slice = i
+                    trainer = threading.Thread(target=train, args=(i,), name=f"slice{i}-drafter",
+                                               daemon=True)  # fmt: skip
+                    trainer.start()
+            peers_failed = []
+            if multi:  # the rollout ends when the run's last slice is done
+                for p in range(group.count):
+                    if group.wait_for(f"done/{step}", p).get("failed") and p != group.index:
+                        peers_failed.append(p)
+            report.rollout_s = time.perf_counter() - start
+            if multi:  # idle time counts from when the run's last process started
+                last = max(group.wait_for(f"start/{step}", p) for p in range(group.count))
+                report.window_start_s = min(max(0.0, last - start_wall), report.rollout_s)
+            # Preempted: a trainer still running when the stop comes, and one that heeds it.
+            preempted = (
+                trainer is not None and trainer.is_alive() and not self.trainable.exact_steps
+            )
+            stop.set()
+            if peers_failed:
+                abort.set()
+            if (trainer is None and self.trainable is not None and self.trainable.exact_steps
+                    and not any(e is not None for e in errors) and not peers_failed
+                    and self.trainable.ready()
                     and (group is None or group.claim(f"trainer/{step}"))):  # fmt: skip
-                self.slices[i].state = SliceState.TRAINING
-                report.trainer_slice = i
-                trainer = threading.Thread(target=train, args=(i,), name=f"slice{i}-drafter",
+                first = min(range(len(finish)), key=finish.__getitem__)
+                report.trainer_slice = first
+                trainer = threading.Thread(target=train, args=(first,), name="drafter-exact",
                                            daemon=True)  # fmt: skip
                 trainer.start()
-        peers_failed = []
-        if multi:  # the rollout ends when the run's last slice is done
-            for p in range(group.count):
-                if group.wait_for(f"done/{step}", p).get("failed") and p != group.index:
-                    peers_failed.append(p)
-        report.rollout_s = time.perf_counter() - start
-        if multi:  # idle time counts from when the run's last process started
-            last = max(group.wait_for(f"start/{step}", p) for p in range(group.count))
-            report.window_start_s = min(max(0.0, last - start_wall), report.rollout_s)
-        # Preempted: a trainer still running when the stop comes, and one that heeds it.
-        preempted = trainer is not None and trainer.is_alive() and not self.trainable.exact_steps
-        stop.set()
-        if (trainer is None and self.trainable is not None and self.trainable.exact_steps
-                and not any(e is not None for e in errors) and self.trainable.ready()
-                and (group is None or group.claim(f"trainer/{step}"))):  # fmt: skip
-            first = min(range(len(finish)), key=finish.__getitem__)
-            report.trainer_slice = first
-            trainer = threading.Thread(target=train, args=(first,), name="drafter-exact",
-                                       daemon=True)  # fmt: skip
-            trainer.start()
-        if trainer is not None:
-            trainer.join()
-            # Training inside the idle window; what ran past the rollout's end is the latency.
-            report.training_s = max(0.0, min(train_span[1], report.rollout_s) - train_span[0])
-            if preempted:
-                report.preemption_latency_s = max(0.0, train_span[1] - report.rollout_s)
-        for t in threads:
-            t.join()
-        for s in self.slices:
-            s.state = SliceState.IDLE
+            if trainer is not None:
+                trainer.join()
+                # Training inside the idle window; what ran past the rollout's end is the latency.
+                report.training_s = max(0.0, min(train_span[1], report.rollout_s) - train_span[0])
+                if preempted:
+                    report.preemption_latency_s = max(0.0, train_span[1] - report.rollout_s)
+            for t in threads:
+                t.join()
+            for s in self.slices:
+                s.state = SliceState.IDLE
+        except BaseException:
+            # A failed wait for a peer, a coordination-service error, Ctrl-C: the drafter
+            # trainer stops at its next step boundary before the error leaves, so no thread
+            # keeps training (and holding the drafter's lock) behind it. Decode threads cannot
+            # be interrupted; they are daemons and end with their rollout.
+            stop.set()
+            abort.set()
+            if trainer is not None:
+                trainer.join(timeout=_TRAINER_JOIN_S)
+                if trainer.is_alive():
+                    log.warning("the drafter trainer did not stop within %.0f s of the "
+                                "rollout's error", _TRAINER_JOIN_S)  # fmt: skip
+            raise
         # Every slice is back at the step boundary once the trainer stopped.
         boundary = max(report.rollout_s, train_span[1])
         for i, t in enumerate(finish):

@@ -355,7 +355,6 @@ class SpotTrainer:
     def train_on(self, slice_: RolloutSlice, stop: threading.Event, on_step) -> int:
         model = nnx.merge(slice_.engine.graphdef, slice_.engine.params)
         return self.online.train_on(
-            slice_.devices, model.embed.get_value(), model.head_weight_DxV(),
-            threading.Event() if self.exact_steps else stop,  # exact: never preempted
+            slice_.devices, model.embed.get_value(), model.head_weight_DxV(), stop,
             max_steps=self.max_steps, on_step=on_step,
         )  # fmt: skip
