@@ -17,3 +17,16 @@ def test_collectives_wait_for_a_peer_that_arrives_late():
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "[0] process 0: ok" in run.stdout and "[1] process 1: ok" in run.stdout
+
+
+def test_a_steps_values_leave_the_coordination_service_at_the_end_of_the_next():
+    # Every step wrote completions, statistics and the drafter's host state into the
+    # coordinator's memory and nothing deleted them: a long run's store grew without bound.
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    command = [sys.executable, str(REPO / "scripts" / "launch_local.py"), "--num_processes", "2",
+               "--", sys.executable, str(REPO / "tests" / "kv_peer.py")]  # fmt: skip
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "[0] process 0: ok" in run.stdout and "[1] process 1: ok" in run.stdout

@@ -16,11 +16,14 @@ is local and free.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
 import jax
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 ENV_COORDINATOR = "TLT_COORDINATOR"
 ENV_NUM_PROCESSES = "TLT_NUM_PROCESSES"
@@ -64,6 +67,11 @@ class ProcessGroup:
         self._local: dict[str, str] = {}
         self._reduce = None  # (sharding, program, device) of `allreduce_sum`
         self._collectives = 0  # collectives so far (the same sequence on every process)
+        # Keys this process wrote in this RL step, and in the one before (`end_step` deletes
+        # the second list): the coordination service holds about two steps of values, not
+        # every step's since the run began.
+        self._written: list[str] = []
+        self._written_before: list[str] = []
 
     @property
     def is_primary(self) -> bool:
@@ -92,20 +100,26 @@ class ProcessGroup:
             if "ALREADY_EXISTS" not in str(e):
                 raise
             return False
+        self._written.append(self._key(key))
         return True
 
     def owner(self, key: str) -> int | None:
         """The process that claimed `key`, or None (read after a `barrier` to agree on it)."""
         if self.count == 1:
             return 0 if key in self._local else None
-        full = self._key(key)
-        entries = self._client.key_value_dir_get(full.rsplit("/", 1)[0] + "/")
-        return next((int(v) for k, v in entries if k == full), None)
+        try:
+            return int(self._client.key_value_try_get(self._key(key)))
+        except Exception as e:  # NOT_FOUND: nobody claimed it
+            if "NOT_FOUND" not in str(e):
+                raise
+            return None
 
     def set(self, key: str, value: Any) -> None:
         """Publishes a JSON value under `key` for this process (`key/<index>`)."""
         if self.count > 1:
-            self._client.key_value_set(self._key(f"{key}/{self.index}"), json.dumps(value))
+            full = self._key(f"{key}/{self.index}")
+            self._client.key_value_set(full, json.dumps(value))
+            self._written.append(full)
 
     def count_set(self, key: str) -> int:
         """How many processes have `set(key, ...)` so far (non-blocking)."""
@@ -128,6 +142,24 @@ class ProcessGroup:
     def barrier(self, name: str, timeout_ms: int = TIMEOUT_MS) -> None:
         if self.count > 1:
             self._client.wait_at_barrier(self._key(name), timeout_ms)
+
+    def end_step(self) -> None:
+        """Deletes the values this process wrote before the RL step that ends here.
+
+        Call it on every process at the end of every step, after an `allgather` of that step
+        (the trainer's digest check). Every value is read within the step that writes it (an
+        `allgather` reads its peers' values before it returns; a rollout's `done` / `start`
+        values during that rollout; the trainer claim at the step's boundary). A process
+        that has read every peer's value of step s + 1 knows each peer finished step s and
+        its reads, so step s's values can go.
+        """
+        stale, self._written_before, self._written = self._written_before, self._written, []
+        for key in stale:
+            try:
+                self._client.key_value_delete(key)
+            except Exception:  # only the coordinator's memory is at stake; the run goes on
+                log.debug("could not delete %s from the coordination service", key,
+                          exc_info=True)  # fmt: skip
 
     def _arrive(self, tree: Any) -> None:
         """Waits until `tree` is computed here and every process has reached this collective.

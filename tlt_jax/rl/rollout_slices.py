@@ -205,6 +205,7 @@ class RolloutSlices:
                     "digest); data-parallel steps on different weights would train wrongly from "
                     "here on. The last checkpoint holds the last step they agreed on."
                 )
+            self.group.end_step()  # after the digests: every process finished the step before
         return metrics
 
     # -- checkpoints and export ------------------------------------------------------------
