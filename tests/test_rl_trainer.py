@@ -262,6 +262,26 @@ def test_long_tail_over_slices_is_wall_time_with_few_requests_running_anywhere()
     assert one["long_tail_share"] == one["slice_tail_share"] == pytest.approx(2 / 3)
 
 
+def test_long_tail_over_processes_places_each_timeline_at_its_process_start():
+    # Both processes: 4 running until 1 s, then 1 until 2 s, on their own clocks; process b
+    # started 1 s after a (a wrote the last checkpoint). On a's clock b's steps end at 2, 3 s:
+    # (0, 1] 4 + 4 running (b's requests wait), (1, 2] 1 + 4, (2, 3] 0 + 1. At most 2 running
+    # for 1 of 3 s; read as one clock it was (0, 1] 8, (1, 2] 2: 1 of 2 s.
+    spec = {"spec": 0, "plain": 4, "rows": {}, "tokens": {}, "choices": {}, "threshold": 2}
+    timeline = [(1.0, 4), (2.0, 1)]
+
+    def process(start_wall):
+        return {"tail": [{**timing.tail_stats(timeline, 2), "timeline": timeline}], "spec": spec,
+                "start_wall": start_wall}  # fmt: skip
+
+    out = spot.combine_rollout_stats([process(100.0), process(101.0)], sliced=False)
+    assert out["long_tail_s"] == pytest.approx(1.0)
+    assert out["long_tail_share"] == pytest.approx(1 / 3)
+    assert out["rollout_decode_s"] == pytest.approx(3.0)
+    same = spot.combine_rollout_stats([process(100.0), process(100.0)], sliced=False)
+    assert same["long_tail_share"] == pytest.approx(1 / 2) and same["rollout_decode_s"] == 2.0
+
+
 def test_paired_difference_hand_computed():
     def result(correct):
         return evaluation.EvalResult(float(np.mean(correct)), 0.0, len(correct), 1.0,

@@ -122,6 +122,9 @@ class SpotReport:
     # (several processes: before it a peer was still in the previous step, checkpointing or
     # plotting, and this process's finished slices waited for that, not for a straggler).
     window_start_s: float = 0.0
+    # When the rollout started, in wall-clock seconds (`time.time()`, comparable across the
+    # processes of one host; across hosts within NTP's skew).
+    start_wall: float = 0.0
 
     @property
     def idle_slice_s(self) -> float:
@@ -196,16 +199,16 @@ class SpotScheduler:
             raise ValueError(f"{len(requests)} request lists for {len(self.slices)} slices")
         for s, reqs in zip(self.slices, requests, strict=True):
             s.engine.validate(reqs)  # before any thread starts
-        start = time.perf_counter()
+        start, start_wall = time.perf_counter(), time.time()
         if len(self.slices) == 1 and not multi:  # nothing to overlap: decode in this thread
             s = self.slices[0]
             s.state = SliceState.BUSY
             out = s.engine.generate(requests[0], progress=progress)
             s.state = SliceState.IDLE
             end = time.perf_counter() - start
-            return [out], SpotReport(end, [end], [SliceEvent(0, "busy", 0.0, end)])
+            return [out], SpotReport(end, [end], [SliceEvent(0, "busy", 0.0, end)],
+                                     start_wall=start_wall)  # fmt: skip
 
-        start_wall = time.time()  # comparable across processes (one host, or NTP's skew)
         if multi:
             group.set(f"start/{step}", start_wall)
         results: list[list[Completion] | None] = [None] * len(self.slices)
@@ -229,7 +232,7 @@ class SpotScheduler:
         for t in threads:
             t.start()
         finish = [0.0] * len(self.slices)
-        report = SpotReport(0.0, finish, [])
+        report = SpotReport(0.0, finish, [], start_wall=start_wall)
         stop = threading.Event()
         trainer: threading.Thread | None = None
         train_span = [0.0, 0.0]

@@ -150,6 +150,7 @@ class RolloutSlices:
                      for s in self.slices],
             "spec": self._spec_metrics(before),
             "spot": report.metrics(),
+            "start_wall": report.start_wall,
         })  # fmt: skip
         return completions, stats
 

@@ -222,8 +222,10 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
 
     The long tail (`long_tail_share`, `long_tail_s`) is the run's, in wall time: the seconds
     in which at most the SD threshold of requests were running over all slices together
-    (`timing.merge_timelines`). Each slice decides SD against its own running requests, so a
-    slice holding no more requests than the threshold is in its own tail from its first step:
+    (`timing.merge_timelines`, each process's timeline placed by its `start_wall`; before a
+    process starts, its requests count as running). Each slice decides SD against its own
+    running requests, so a slice holding no more requests than the threshold is in its own
+    tail from its first step:
     that view is `slice_tail_share` / `slice_tail_s`, in slice-seconds, and `sd_tail_s` counts
     the slice-seconds of it that ran SD. SD shares and acceptance sum the processes' counters;
     spot fields (when the run has slices) sum idle and training slice-seconds and the counts;
@@ -231,14 +233,24 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
     trainer was preempted: it had stopped on its own, or there was none).
     """
     tails = [t for s in stats for t in s["tail"]]
+    # Each process's clock starts with its own rollout; processes start apart (process 0
+    # writes checkpoints and plots between steps), so each timeline moves by its process's
+    # start after the earliest one (`start_wall`, absent from single-process stats).
+    starts = [s.get("start_wall") for s in stats]
+    offsets = ([w - min(starts) for w in starts] if None not in starts  # type: ignore[type-var]
+               else [0.0] * len(stats))  # fmt: skip
+    timelines = [[(row[0] + offset, *row[1:]) for row in t["timeline"]]
+                 for s, offset in zip(stats, offsets, strict=True) for t in s["tail"]]  # fmt: skip
+    decode_s = [t["rollout_decode_s"] + offset
+                for s, offset in zip(stats, offsets, strict=True) for t in s["tail"]]  # fmt: skip
     threshold = int(stats[0]["spec"]["threshold"])
-    run_tail = timing.tail_stats(timing.merge_timelines([t["timeline"] for t in tails]), threshold)
+    run_tail = timing.tail_stats(timing.merge_timelines(timelines), threshold)
     slice_total = sum(t["rollout_decode_s"] for t in tails)
     slice_tail = sum(t["long_tail_s"] for t in tails)
     out: dict[str, Any] = {
         "long_tail_share": run_tail["long_tail_share"],
         "long_tail_s": run_tail["long_tail_s"],
-        "rollout_decode_s": max(t["rollout_decode_s"] for t in tails),
+        "rollout_decode_s": max(decode_s),
         "slice_tail_share": slice_tail / slice_total if slice_total > 0 else 0.0,
         "slice_tail_s": slice_tail,
         "sd_tail_s": sum(t["sd_tail_s"] for t in tails),
