@@ -122,10 +122,12 @@ RAGGED_MASK = jnp.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
         ("seq_mean_token_sum", 28.0 / 3.0),
         # Means 10/4 = 2.5, 11/2 = 5.5, 7/1 = 7 over 3 rows: 15 / 3.
         ("seq_mean_token_mean", 5.0),
+        # Sums 10, 11, 7, each / 8 tokens (Dr. GRPO's constant), over 3 rows: 28 / 24.
+        ("seq_mean_token_sum_norm", 28.0 / 24.0),
     ],
 )
 def test_aggregation_on_ragged_mask(name, expected):
-    value = algorithms.LOSS_AGGREGATIONS[name](RAGGED_LOSS, RAGGED_MASK)
+    value = algorithms.aggregator(name, norm_tokens=8)(RAGGED_LOSS, RAGGED_MASK)
     np.testing.assert_allclose(value, expected, rtol=1e-6)
 
 
@@ -135,14 +137,15 @@ def test_aggregation_on_ragged_mask(name, expected):
         ("token_mean", [1 / 7] * 3 + [0.0]),
         ("seq_mean_token_sum", [1 / 3] * 3 + [0.0]),
         ("seq_mean_token_mean", [1 / 12, 1 / 6, 1 / 3, 0.0]),  # 1 / (length * 3 rows)
+        ("seq_mean_token_sum_norm", [1 / 24] * 3 + [0.0]),  # 1 / (8 tokens * 3 rows)
     ],
 )
 def test_token_weights_by_hand_and_against_the_aggregation(name, expected):
     lengths = np.asarray(RAGGED_MASK).sum(1)  # 4, 2, 1, 0
-    weights = algorithms.token_weights(name, lengths)
+    weights = algorithms.token_weights(name, lengths, norm_tokens=8)
     np.testing.assert_allclose(weights, expected, rtol=1e-12)
     loss = np.nan_to_num(np.asarray(RAGGED_LOSS), nan=0.0, posinf=0.0) * np.asarray(RAGGED_MASK)
-    aggregate = algorithms.LOSS_AGGREGATIONS[name](RAGGED_LOSS, RAGGED_MASK)
+    aggregate = algorithms.aggregator(name, norm_tokens=8)(RAGGED_LOSS, RAGGED_MASK)
     np.testing.assert_allclose(np.sum(loss * weights[:, None]), aggregate, rtol=1e-6)
     with pytest.raises(ValueError, match="rl.loss_aggregation='mean'"):
         algorithms.token_weights("mean", lengths)
@@ -150,8 +153,18 @@ def test_token_weights_by_hand_and_against_the_aggregation(name, expected):
 
 @pytest.mark.parametrize("name", sorted(algorithms.LOSS_AGGREGATIONS))
 def test_aggregation_of_all_padding_is_zero(name):
-    value = algorithms.LOSS_AGGREGATIONS[name](jnp.full((2, 3), jnp.nan), jnp.zeros((2, 3)))
+    value = algorithms.aggregator(name, norm_tokens=8)(jnp.full((2, 3), jnp.nan),
+                                                       jnp.zeros((2, 3)))  # fmt: skip
     assert float(value) == 0.0
+
+
+@pytest.mark.parametrize("norm_tokens", [None, 0, 2.5, True])
+def test_the_normed_aggregation_needs_its_constant(norm_tokens):
+    match = "rl.loss_aggregation='seq_mean_token_sum_norm' needs rl.loss_norm_tokens"
+    with pytest.raises(ValueError, match=match):
+        algorithms.token_weights("seq_mean_token_sum_norm", [3, 1], norm_tokens)
+    with pytest.raises(ValueError, match=match):
+        algorithms.aggregator("seq_mean_token_sum_norm", norm_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,12 +192,14 @@ SUM_0, SUM_1 = -1.28 - 0.5 - 1.0, 1.5 + 0.8  # -2.78, 2.3
         ("token_mean", (SUM_0 + SUM_1) / 5),  # -0.48 / 5 = -0.096
         ("seq_mean_token_sum", (SUM_0 + SUM_1) / 2),  # -0.24
         ("seq_mean_token_mean", (SUM_0 / 3 + SUM_1 / 2) / 2),  # (-0.92667 + 1.15) / 2 = 0.11167
+        ("seq_mean_token_sum_norm", (SUM_0 + SUM_1) / 2 / 4),  # a budget of 4 tokens: -0.06
     ],
 )
 def test_clipped_policy_loss(aggregation, expected):
     loss, metrics = algorithms.policy_loss(
-        LOGPROBS, OLD_LOGPROBS, ADVANTAGES, MASK, aggregation=aggregation, **LOSS_PARAMS
-    )
+        LOGPROBS, OLD_LOGPROBS, ADVANTAGES, MASK, aggregation=aggregation, norm_tokens=4,
+        **LOSS_PARAMS,
+    )  # fmt: skip
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     np.testing.assert_allclose(metrics["pg_loss"], expected, rtol=1e-5)
     assert float(metrics["kl"]) == 0.0
@@ -349,7 +364,8 @@ def test_token_logprobs_matches_numpy():
         (
             {"loss_aggregation": "sum"},
             "rl.loss_aggregation='sum' is not one of "
-            "['seq_mean_token_mean', 'seq_mean_token_sum', 'token_mean']",
+            "['seq_mean_token_mean', 'seq_mean_token_sum', 'seq_mean_token_sum_norm', "
+            "'token_mean']",
         ),
         ({"kl_estimator": "k4"}, "rl.kl_estimator='k4' is not one of ['k1', 'k2', 'k3']"),
         ({"kl_estimator": "k1", "kl_coef": 0.1}, "rl.kl_estimator='k1' with rl.kl_coef=0.1"),

@@ -6,13 +6,14 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from absl import flags
 from ml_collections import config_flags
 from rl_testing import CONFIG_DIR, REPO, load_config_dict, tiny_config
 
 from tlt_jax.models.presets import get_preset
-from tlt_jax.rl import policy
+from tlt_jax.rl import packing, policy
 from tlt_jax.rl.config import ModelSettings, RLConfig, TrainConfig, default_config_dict
 from tlt_jax.rl.trainer import Trainer
 
@@ -182,3 +183,22 @@ def test_the_rollout_engine_gets_the_configured_xla_level():
     engine = policy.build_engine(config, model)
     assert engine.config.xla_opt_level == 2
     assert engine._options == {"xla_backend_optimization_level": 2}
+
+
+def test_dr_grpo_normed_aggregation_takes_the_generation_budget_unless_set():
+    config = default_config_dict()
+    config.model.preset = "tiny"
+    config.rl.update(advantage_estimator="dr_grpo", loss_aggregation="seq_mean_token_sum_norm")
+    config.rollout.max_new_tokens = 48
+    algorithm = TrainConfig.from_config_dict(config).rl.algorithm
+    assert algorithm.loss_norm_tokens == 48
+    config.rl.loss_norm_tokens = 1024
+    assert TrainConfig.from_config_dict(config).rl.algorithm.loss_norm_tokens == 1024
+    config.rl.loss_norm_tokens = 0
+    with pytest.raises(ValueError, match=r"rl.loss_norm_tokens, a positive integer .* got 0"):
+        TrainConfig.from_config_dict(config)
+    # Its weights through the packed update's: seq_mean_token_sum's over the budget.
+    lengths = [[1] * 5, [2] * 3, [], [4]]
+    normed, _ = packing.minibatch_weights("seq_mean_token_sum_norm", [0, 1], 2, lengths, 48)
+    summed, _ = packing.minibatch_weights("seq_mean_token_sum", [0, 1], 2, lengths)
+    np.testing.assert_allclose(normed, summed / 48, rtol=1e-12)

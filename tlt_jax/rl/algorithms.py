@@ -17,6 +17,7 @@ bool dtype). Values at masked positions are never trusted: they are replaced wit
 `jnp.where` before any reduction, so NaN/inf in padding cannot leak into losses or gradients.
 """
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,7 +113,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., jax.Array]] = {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Loss aggregations: fn(loss_BxT, mask_BxT) -> scalar.
+# Loss aggregations: fn(loss_BxT, mask_BxT) -> scalar (`aggregator` binds a constant).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -152,14 +153,47 @@ def seq_mean_token_mean(loss_BxT: jax.Array, mask_BxT: jax.Array) -> jax.Array:
     return _mean_over_sequences(jnp.sum(loss_BxT, axis=-1) / lengths_B, mask_BxT)
 
 
-LOSS_AGGREGATIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+def seq_mean_token_sum_norm(loss_BxT: jax.Array, mask_BxT: jax.Array, *,
+                            norm_tokens: int) -> jax.Array:  # fmt: skip
+    """Per-sequence token sum / a constant `norm_tokens`, then mean over sequences that have
+    at least one token (Dr. GRPO: the generation budget, so no sequence's length scales its
+    tokens, and the loss keeps `token_mean`'s size where `seq_mean_token_sum`'s grows with the
+    lengths, which decides what a gradient-norm clip does)."""
+    return seq_mean_token_sum(loss_BxT, mask_BxT) / norm_tokens
+
+
+# The aggregations that take `norm_tokens` (`aggregator`).
+NORMED_AGGREGATIONS = ("seq_mean_token_sum_norm",)
+
+LOSS_AGGREGATIONS: dict[str, Callable[..., jax.Array]] = {
     "token_mean": token_mean,
     "seq_mean_token_sum": seq_mean_token_sum,
     "seq_mean_token_mean": seq_mean_token_mean,
+    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
 }
 
 
-def token_weights(aggregation: str, lengths: Sequence[int]) -> np.ndarray:
+def _check_norm_tokens(aggregation: str, norm_tokens: int | None) -> None:
+    if aggregation in NORMED_AGGREGATIONS and (
+        not isinstance(norm_tokens, int) or isinstance(norm_tokens, bool) or norm_tokens < 1
+    ):
+        raise ValueError(f"rl.loss_aggregation={aggregation!r} needs rl.loss_norm_tokens, a "
+                         f"positive integer (e.g. the rollout's max_new_tokens); got "
+                         f"{norm_tokens!r}")  # fmt: skip
+
+
+def aggregator(aggregation: str, norm_tokens: int | None = None
+               ) -> Callable[[jax.Array, jax.Array], jax.Array]:  # fmt: skip
+    """`fn(loss_BxT, mask_BxT) -> scalar` of `aggregation`, with its constant bound."""
+    fn = _lookup(LOSS_AGGREGATIONS, "loss_aggregation", aggregation)
+    _check_norm_tokens(aggregation, norm_tokens)
+    if aggregation in NORMED_AGGREGATIONS:
+        return functools.partial(fn, norm_tokens=norm_tokens)
+    return fn
+
+
+def token_weights(aggregation: str, lengths: Sequence[int],
+                  norm_tokens: int | None = None) -> np.ndarray:  # fmt: skip
     """Per-token weights w_b of each sequence such that `aggregate(x) == sum_b,t w_b * x_bt`.
 
     Host-side (numpy) and computed over a whole mini-batch, so any split of its sequences
@@ -169,11 +203,13 @@ def token_weights(aggregation: str, lengths: Sequence[int]) -> np.ndarray:
     Args:
       aggregation: a key of `LOSS_AGGREGATIONS`.
       lengths: real token count of every sequence in the mini-batch.
+      norm_tokens: the constant of the `NORMED_AGGREGATIONS` (unused by the others).
 
     Returns:
       float64 [len(lengths)], the weight of each of that sequence's tokens.
     """
     _lookup(LOSS_AGGREGATIONS, "loss_aggregation", aggregation)
+    _check_norm_tokens(aggregation, norm_tokens)
     lengths = np.asarray(lengths, np.float64)
     has_tokens = lengths > 0
     sequences = max(float(has_tokens.sum()), 1.0)
@@ -181,6 +217,8 @@ def token_weights(aggregation: str, lengths: Sequence[int]) -> np.ndarray:
         weights = np.full_like(lengths, 1.0 / max(float(lengths.sum()), 1.0))
     elif aggregation == "seq_mean_token_sum":
         weights = np.full_like(lengths, 1.0 / sequences)
+    elif aggregation == "seq_mean_token_sum_norm":
+        weights = np.full_like(lengths, 1.0 / (sequences * norm_tokens))
     else:  # seq_mean_token_mean
         weights = 1.0 / (np.maximum(lengths, 1.0) * sequences)
     return np.where(has_tokens, weights, 0.0)
@@ -256,6 +294,7 @@ def policy_loss(
     ref_logprobs_BxT: jax.Array | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    norm_tokens: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO clipped surrogate with DAPO clip-higher and an optional KL penalty.
 
@@ -277,6 +316,7 @@ def policy_loss(
       ref_logprobs_BxT: reference-policy log-probabilities; required when kl_coef != 0.
       kl_coef: weight of the KL penalty; 0 turns it off (no KL is computed).
       kl_estimator: a key of `KL_ESTIMATORS`.
+      norm_tokens: the constant of the `NORMED_AGGREGATIONS`.
 
     Returns:
       (loss, metrics). metrics holds scalars: `pg_loss` (aggregated surrogate), `kl`
@@ -285,7 +325,7 @@ def policy_loss(
       token gets no gradient), `ratio_mean` (token mean of the ratio) and `approx_kl_old`
       (token mean of the k3 estimate of KL(old || new), `(ratio - 1) - log(ratio)`, >= 0).
     """
-    aggregate = _lookup(LOSS_AGGREGATIONS, "loss_aggregation", aggregation)
+    aggregate = aggregator(aggregation, norm_tokens)
     use_kl = not (isinstance(kl_coef, int | float) and kl_coef == 0.0)
     kl_fn = _lookup(KL_ESTIMATORS, "kl_estimator", kl_estimator) if use_kl else None
     if use_kl and ref_logprobs_BxT is None:
@@ -449,6 +489,9 @@ class AlgorithmConfig:
       kl_coef: weight of the KL penalty to the reference; 0 disables it.
       kl_estimator: key of `KL_ESTIMATORS` (k1 only with kl_coef 0: see the KL section).
       advantage_eps: added to the group std by `grpo`.
+      loss_norm_tokens: the constant `seq_mean_token_sum_norm` divides each sequence's token
+        sum by (Dr. GRPO's generation budget); `TrainConfig` sets it to the rollout's
+        `max_new_tokens` when left None.
     """
 
     advantage_estimator: str = "grpo"
@@ -458,6 +501,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     advantage_eps: float = 1e-6
+    loss_norm_tokens: int | None = None
 
     def __post_init__(self):
         _lookup(ADVANTAGE_ESTIMATORS, "advantage_estimator", self.advantage_estimator)
@@ -470,6 +514,8 @@ class AlgorithmConfig:
             if (not isinstance(value, int | float) or isinstance(value, bool)
                     or not math.isfinite(value) or value < 0):  # fmt: skip
                 raise ValueError(f"rl.{field}={value!r} must be a finite number >= 0")
+        if self.loss_norm_tokens is not None:
+            _check_norm_tokens(NORMED_AGGREGATIONS[0], self.loss_norm_tokens)
         if self.epsilon >= 1.0:
             raise ValueError(f"rl.epsilon={self.epsilon!r} must be < 1 (ratio floor 1 - epsilon)")
         if self.kl_estimator == "k1" and self.kl_coef > 0:
@@ -520,4 +566,5 @@ def compute_loss(
         ref_logprobs_BxT=ref_logprobs_BxT,
         kl_coef=config.kl_coef,
         kl_estimator=config.kl_estimator,
+        norm_tokens=config.loss_norm_tokens,
     )

@@ -36,6 +36,7 @@ from tlt_jax.models.config import DTYPES
 from tlt_jax.models.presets import PRESETS
 from tlt_jax.optim import OptimConfig
 from tlt_jax.programs import check_opt_level
+from tlt_jax.rl import algorithms
 from tlt_jax.rl.algorithms import AlgorithmConfig
 from tlt_jax.rl.rewards import REWARD_FUNCTIONS, RewardFunction
 from tlt_jax.rl.spot import SpotConfig
@@ -575,6 +576,13 @@ class TrainConfig:
         _positive_int("config", "checkpoint_every", self.checkpoint_every)
         _positive_int("config", "seed", self.seed, minimum=0)
         _positive_int("config", "plot_every", self.plot_every)
+        algorithm = self.rl.algorithm
+        if (
+            algorithm.loss_aggregation in algorithms.NORMED_AGGREGATIONS
+            and algorithm.loss_norm_tokens is None
+        ):  # Dr. GRPO: the generation budget
+            algorithm = dataclasses.replace(algorithm, loss_norm_tokens=self.rollout.max_new_tokens)
+            object.__setattr__(self, "rl", dataclasses.replace(self.rl, algorithm=algorithm))
         spec = self.spec
         if not spec.drafter and not self.spot.enabled:
             needs = [src for src in spec.sources(has_drafter=False) if src != "ngram"]

@@ -548,18 +548,23 @@ def micro_batches(rl, rollout, prompts, responses, has_signal: np.ndarray, *,
 
 
 def minibatch_weights(
-    aggregation: str, groups: Sequence[int], group_size: int, responses: Sequence[Sequence[int]]
+    aggregation: str,
+    groups: Sequence[int],
+    group_size: int,
+    responses: Sequence[Sequence[int]],
+    norm_tokens: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(loss weight, metric weight) per response of the step, non-zero on `groups`' only.
 
     Loss weights are `algorithms.token_weights` over every response of the mini-batch (silent
     groups count in the denominators even when their micro-batches are skipped); the metric
-    weight is 1 / the mini-batch's real tokens (token means).
+    weight is 1 / the mini-batch's real tokens (token means). `norm_tokens`: the constant of
+    `algorithms.NORMED_AGGREGATIONS`.
     """
     ids = [q * group_size + j for q in groups for j in range(group_size)]
     lengths = np.asarray([len(responses[b]) for b in ids])
     loss_w = np.zeros(len(responses))
-    loss_w[ids] = algorithms.token_weights(aggregation, lengths)
+    loss_w[ids] = algorithms.token_weights(aggregation, lengths, norm_tokens)
     metric_w = np.zeros(len(responses))
     metric_w[ids] = 1.0 / max(int(lengths.sum()), 1)
     return loss_w, metric_w

@@ -616,7 +616,8 @@ class Trainer:
         with progress_bar(self.progress, "update", num_micro) as bar:
             for i, (groups, micros) in enumerate(zip(minibatches, micro_plan, strict=True)):
                 loss_w, metric_w = packing.minibatch_weights(
-                    cfg.rl.algorithm.loss_aggregation, groups, g, responses
+                    cfg.rl.algorithm.loss_aggregation, groups, g, responses,
+                    cfg.rl.algorithm.loss_norm_tokens,
                 )  # fmt: skip
                 accum = self._zero_accumulator()
                 for j, micro in enumerate(micros):
