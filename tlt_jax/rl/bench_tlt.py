@@ -125,8 +125,12 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int,
         try:
             trainers["tlt"] = Trainer(tlt_cfg, f"{workdir}/tlt", progress=False)
             threshold = trainers["tlt"].threshold
-            plain_cfg = dataclasses.replace(cfg, spec=dataclasses.replace(
-                tlt_cfg.spec, mode="off", threshold=max(threshold, 1)))  # fmt: skip
+            # The TLT side's resolved threshold (its calibration file would only be ignored,
+            # with a warning).
+            plain_spec = dataclasses.replace(
+                tlt_cfg.spec, mode="off", threshold=max(threshold, 1), calibration_file=""
+            )
+            plain_cfg = dataclasses.replace(cfg, spec=plain_spec)
             trainers["plain"] = Trainer(plain_cfg, f"{workdir}/plain", progress=False)
             trainers = {"plain": trainers["plain"], "tlt": trainers["tlt"]}
             for trainer in trainers.values():
