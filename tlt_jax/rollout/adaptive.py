@@ -19,12 +19,8 @@ Policies:
   batch's engine batch bucket (1, 2, 4, ...; TLT's fine-grained groups) holds the arms of the
   BEG bucket `[t_i, t_{i+1})` that contains it: every strategy with that bucket's verify budget,
   for every draft source, plus plain decoding, so a cold or stale drafter costs nothing: the
-  bandit falls back to plain where SD does not pay. Reward = emitted tokens per second per
-  running request (acceptance length / step time): the engine pads a batch to its bucket, so
-  within a bucket a step costs the same whatever the batch, and tokens per second alone
-  would rank an arm by the batch it happened to be tried at (2x across a bucket's range as
-  the tail drains, where plain is tried first, at the top); kept in a window of `window`
-  steps per arm; select
+  bandit falls back to plain where SD does not pay. Reward = emitted tokens per second
+  (acceptance length x batch / step time), kept in a window of `window` steps per arm; select
   untried arms first, else with probability `epsilon` a uniform arm among those that could
   still win, else the best median. An arm whose best reward in its window is below the
   leader's median is explored once per `window` steps of its bucket only (TLT explores every
@@ -50,10 +46,6 @@ from tlt_jax.rollout.speculative import SpecStrategy
 
 DRAFT_SOURCES = ("eagle", "ngram", "hybrid")
 PLAIN = "plain"
-
-
-# The bandit's reward, stored with its windows in checkpoints.
-REWARD_UNIT = "tokens_per_s_per_request"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,19 +366,17 @@ class AdaptivePolicy:
                seconds: float) -> None:  # fmt: skip
         # Plain steps count only in SD mode (its own arm); earlier plain steps ran at other
         # batch sizes or before the switch and say nothing about this bucket's choice.
-        if (not self.sd_on or seconds <= 0 or num_running < 1
-                or num_running > self.config.threshold):  # fmt: skip
+        if not self.sd_on or seconds <= 0 or num_running > self.config.threshold:
             return
         key = (engine_bucket(num_running), arm_name(choice))
         window = self._rewards.setdefault(key, deque(maxlen=self.config.window))
-        window.append(emitted_tokens / seconds / num_running)
+        window.append(emitted_tokens / seconds)
 
     def choice_counts(self) -> dict[str, int]:
         return {f"{b}/{a}": n for (b, a), n in sorted(self.counts.items())}
 
     def median_rewards(self) -> dict[str, float]:
-        """'bucket/arm' -> median reward (tokens per second per running request), for
-        metrics."""
+        """'bucket/arm' -> median reward (tokens per second), for metrics."""
         return {f"{b}/{a}": float(np.median(w)) for (b, a), w in sorted(self._rewards.items())
                 if w}  # fmt: skip
 
@@ -396,7 +386,6 @@ class AdaptivePolicy:
         """JSON-serialisable state: reward windows and the random stream."""
         return {
             "rewards": [[b, a, list(w)] for (b, a), w in sorted(self._rewards.items())],
-            "reward_unit": REWARD_UNIT,
             "steps": [[b, n] for b, n in sorted(self._steps.items())],
             "tried": [[b, a, n] for (b, a), n in sorted(self._tried.items())],
             "rng": self._rng.bit_generator.state,
@@ -406,13 +395,9 @@ class AdaptivePolicy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        # Windows of another unit (a checkpoint from before the per-request reward) would
-        # rank arms by when they were last tried: they are dropped, and each arm is tried
-        # again first (the steps and exploration counts stay).
-        same_unit = state.get("reward_unit") == REWARD_UNIT
         self._rewards = {
             (int(b), str(a)): deque((float(r) for r in w), maxlen=self.config.window)
-            for b, a, w in (state["rewards"] if same_unit else [])
+            for b, a, w in state["rewards"]
         }
         self._steps = {int(b): int(n) for b, n in state.get("steps", [])}
         self._tried = {(int(b), str(a)): int(n) for b, a, n in state.get("tried", [])}
