@@ -195,7 +195,10 @@ def test_dr_grpo_normed_aggregation_takes_the_generation_budget_unless_set():
     config.rl.loss_norm_tokens = 1024
     assert TrainConfig.from_config_dict(config).rl.algorithm.loss_norm_tokens == 1024
     config.rl.loss_norm_tokens = 0
-    with pytest.raises(ValueError, match=r"rl.loss_norm_tokens, a positive integer .* got 0"):
+    with pytest.raises(ValueError, match=r"rl.loss_norm_tokens=0 must be a positive integer"):
+        TrainConfig.from_config_dict(config)
+    config.rl.loss_aggregation = "token_mean"  # named as itself, whichever aggregation is set
+    with pytest.raises(ValueError, match=r"rl.loss_norm_tokens=0 must be a positive integer"):
         TrainConfig.from_config_dict(config)
     # Its weights through the packed update's: seq_mean_token_sum's over the budget.
     lengths = [[1] * 5, [2] * 3, [], [4]]

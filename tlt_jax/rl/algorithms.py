@@ -514,8 +514,10 @@ class AlgorithmConfig:
             if (not isinstance(value, int | float) or isinstance(value, bool)
                     or not math.isfinite(value) or value < 0):  # fmt: skip
                 raise ValueError(f"rl.{field}={value!r} must be a finite number >= 0")
-        if self.loss_norm_tokens is not None:
-            _check_norm_tokens(NORMED_AGGREGATIONS[0], self.loss_norm_tokens)
+        norm = self.loss_norm_tokens
+        if norm is not None and (not isinstance(norm, int) or isinstance(norm, bool) or norm < 1):
+            raise ValueError(f"rl.loss_norm_tokens={norm!r} must be a positive integer (the "
+                             f"budget {NORMED_AGGREGATIONS[0]!r} divides by) or None")  # fmt: skip
         if self.epsilon >= 1.0:
             raise ValueError(f"rl.epsilon={self.epsilon!r} must be < 1 (ratio floor 1 - epsilon)")
         if self.kl_estimator == "k1" and self.kl_coef > 0:
