@@ -60,6 +60,15 @@ def test_round_trip_retention_and_crash_leftovers(tmp_path):
     leftover = tmp_path / "5.orbax-checkpoint-tmp"
     (leftover / "state").mkdir(parents=True)
     (leftover / "state" / "partial").write_bytes(b"\0" * 100)
+    # A reader (scripts/eval.py on a run still training) must not take it for a leftover: it
+    # may be the trainer's save in flight. It reads, and deletes and saves nothing.
+    reader = RunCheckpointer(tmp_path, read_only=True)
+    assert reader.all_steps() == [3, 4] and reader.read_config() == {"total_steps": 4}
+    assert reader.restore(_state(seed=1)).step == 4 and leftover.exists()
+    with pytest.raises(ValueError, match="opened read-only"):
+        reader.save(5, state, {"epoch": 1, "index": 5}, {})
+    reader.close()
+    assert leftover.exists() and checkpointer.all_steps() == [3, 4]
     reopened = RunCheckpointer(tmp_path, max_to_keep=2)
     assert reopened.latest_step() == 4
     assert reopened.restore(_state()).step == 4

@@ -90,16 +90,22 @@ class RunCheckpointer(_Checkpointer):
     """Keeps the last `max_to_keep` checkpoints of one run under `directory`."""
 
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3,
-                 async_save: bool = True, process_local: bool = False):  # fmt: skip
+                 async_save: bool = True, process_local: bool = False,
+                 read_only: bool = False):  # fmt: skip
         """
         Args:
           process_local: in a multi-process run whose state is replicated per process (each
             holds the whole state on its own devices), this process reads and writes on its
             own, without orbax's cross-process barriers; the trainer saves from process 0
             only.
+          read_only: a reader of another process's run (evaluation, probes): it creates,
+            deletes and saves nothing. A writer removes orbax's temporary directories when it
+            opens, which are the saves in flight if the run is still training: a reader
+            opened that way mid-save destroyed the save and crashed the trainer.
         """
         self.directory = Path(directory).expanduser().absolute()
         self._process_local = process_local
+        self._read_only = read_only
         multiprocessing = ocp.options.MultiprocessingOptions()
         if process_local:
             self.directory.mkdir(parents=True, exist_ok=True)  # orbax won't with active_processes
@@ -109,9 +115,10 @@ class RunCheckpointer(_Checkpointer):
                 barrier_sync_key_prefix=f"process{index}",
             )  # fmt: skip
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=not process_local,
-            enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
-            multiprocessing_options=multiprocessing,
+            max_to_keep=None if read_only else max_to_keep,
+            create=not (process_local or read_only), read_only=read_only,
+            enable_async_checkpointing=async_save and not read_only,
+            cleanup_tmp_directories=not read_only, multiprocessing_options=multiprocessing,
         )  # fmt: skip
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -125,6 +132,8 @@ class RunCheckpointer(_Checkpointer):
           weights: the fingerprint of the model's checkpoint file (None: a random preset).
           tokenizer: the fingerprint of its tokenizer files (None: none to fingerprint).
         """
+        if self._read_only:
+            raise ValueError(f"{self.directory} was opened read-only: it saves nothing")
         if step in self._manager.all_steps():
             return False
         if self._process_local:  # orbax saves only global arrays across processes: host copies

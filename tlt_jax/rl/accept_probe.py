@@ -34,7 +34,7 @@ def run_config(workdir: str | Path) -> TrainConfig:
     Raises:
       FileNotFoundError: when `workdir/checkpoints` holds no checkpoint.
     """
-    checkpointer = RunCheckpointer(Path(workdir) / "checkpoints", async_save=False)
+    checkpointer = RunCheckpointer(Path(workdir) / "checkpoints", read_only=True)
     try:
         raw = checkpointer.read_config()
     finally:

@@ -247,7 +247,9 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
                                 "model as loaded")  # fmt: skip
     directory = None if workdir is None else Path(workdir) / "checkpoints"
     checkpointer = (
-        RunCheckpointer(directory) if directory is not None and directory.is_dir() else None
+        RunCheckpointer(directory, read_only=True)  # the run may still be saving
+        if directory is not None and directory.is_dir()
+        else None
     )
     try:
         if checkpointer is not None:
