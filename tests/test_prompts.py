@@ -191,6 +191,12 @@ def test_encoder_rows_and_validation():
     assert short("abc") == tuple(b"abc")
     with pytest.raises(ValueError, match=r"4 tokens > rollout\.max_prompt_len=3.*'abcd'"):
         short("abcd")
+    # A whole split at once: every too-long prompt counted, the longest named.
+    assert short.encode_all(["ab", "abc"], "train split") == [tuple(b"ab"), tuple(b"abc")]
+    with pytest.raises(ValueError, match=r"2 of the 4 prompts of the train split have more "
+                       r"than rollout\.max_prompt_len=3 tokens \(the longest: 6\); raise "
+                       r"--config\.rollout\.max_prompt_len to at least 6"):  # fmt: skip
+        short.encode_all(["ab", "abcdef", "abc", "abcd"], "train split")
 
 
 # ----------------------------------------------------------------------------- JSONL reader

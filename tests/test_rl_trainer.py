@@ -756,6 +756,19 @@ def _no_model_load(before: str):
         yield
 
 
+def test_a_train_prompt_longer_than_the_limit_is_refused_before_the_model_loads(tmp_path):
+    """Prompts were encoded step by step: a split with one prompt over
+    `rollout.max_prompt_len` failed at whichever step drew it (after hours, and again at the
+    same step on resume). The whole split is checked at start-up, and the ids are kept."""
+    config = tiny_config(**{"rollout.max_prompt_len": 12})
+    with _no_model_load("the prompts' lengths were checked"):
+        with pytest.raises(ValueError, match=r"\d+ of the 200 prompts of the train split have "
+                           r"more than rollout\.max_prompt_len=12 tokens \(the longest: "
+                           r"\d+\); raise --config\.rollout\.max_prompt_len"):  # fmt: skip
+            Trainer(config, tmp_path, progress=False)
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
 def test_evaluate_run_refuses_a_checkpoint_of_another_model(tmp_path):
     """`evaluate_run` never compared the checkpoint's model with the config's: evaluating
     under another model of the same shapes ran silently. It is refused before the model

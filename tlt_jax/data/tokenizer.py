@@ -157,12 +157,34 @@ class PromptEncoder:
         Raises:
           ValueError: when the prompt is longer than `max_prompt_len`, naming the flag.
         """
+        return self._check(self._question_ids(question), shown=question)
+
+    def encode_all(self, questions: Sequence[str], what: str) -> list[tuple[int, ...]]:
+        """Every question's prompt ids (`__call__`), checked at once: a run checks its whole
+        split before it compiles, instead of failing at whichever step draws a long one.
+
+        Raises:
+          ValueError: naming how many of `what` (e.g. "train split") are longer than
+            `max_prompt_len`, the longest, and the flag to raise.
+        """
+        ids = [self._question_ids(q) for q in questions]
+        over = [len(x) for x in ids if self.max_prompt_len is not None
+                and len(x) > self.max_prompt_len]  # fmt: skip
+        if over:
+            raise ValueError(
+                f"{len(over)} of the {len(ids)} prompts of the {what} have more than "
+                f"rollout.max_prompt_len={self.max_prompt_len} tokens (the longest: "
+                f"{max(over)}); raise --config.rollout.max_prompt_len to at least {max(over)}"
+            )
+        return ids
+
+    def _question_ids(self, question: str) -> tuple[int, ...]:
         text = render_prompt(
             self.tokenizer, question, instruction=self.instruction,
             use_chat_template=self.use_chat_template, system_prompt=self.system_prompt,
         )  # fmt: skip
         templated = uses_chat_template(self.tokenizer, self.use_chat_template)
-        return self._encode(text, templated, shown=question)
+        return tuple(self.tokenizer.encode(text, add_special_tokens=not templated))
 
     def encode_messages(self, messages: Sequence[Mapping[str, str]]) -> tuple[int, ...]:
         """Token ids of a chat in the tokenizer's template, ending in the generation prompt."""
@@ -187,6 +209,9 @@ class PromptEncoder:
 
     def _encode(self, text: str, templated: bool, shown: str) -> tuple[int, ...]:
         ids = tuple(self.tokenizer.encode(text, add_special_tokens=not templated))
+        return self._check(ids, shown)
+
+    def _check(self, ids: tuple[int, ...], shown: str) -> tuple[int, ...]:
         if self.max_prompt_len is not None and len(ids) > self.max_prompt_len:
             raise ValueError(
                 f"a prompt has {len(ids)} tokens > rollout.max_prompt_len={self.max_prompt_len}; "

@@ -152,6 +152,14 @@ class Trainer:
             data_changed = check_resumed_data(self.checkpointer, cfg)
             check_resumed_drafter(self.checkpointer, cfg)
             self._train_examples = load_data(cfg.data, cfg.data.train_split)
+            self.tokenizer = (tokenizer if tokenizer is not None
+                              else policy.build_tokenizer(cfg.model))  # fmt: skip
+            self.stop_ids = stop_token_ids(self.tokenizer)
+            self.encode = policy.build_encoder(cfg, self.tokenizer)
+            # Every train prompt is encoded, its length checked, once, before the model loads.
+            questions = [ex["question"] for ex in self._train_examples]
+            self._prompt_ids = dict(zip(questions, self.encode.encode_all(questions, "train "
+                                        "split"), strict=True))  # fmt: skip
         except BaseException:
             self.checkpointer.close()  # its background threads would outlive the error
             raise
@@ -163,9 +171,6 @@ class Trainer:
 
         self.mesh = policy.build_mesh(cfg.model)
         model = model if model is not None else policy.build_policy(cfg.model, self.mesh)
-        self.tokenizer = tokenizer if tokenizer is not None else policy.build_tokenizer(cfg.model)
-        self.stop_ids = stop_token_ids(self.tokenizer)
-        self.encode = policy.build_encoder(cfg, self.tokenizer)
         context = None
         if self.mesh is not None:
             rules = sharding_lib.rules_for("train")
@@ -384,7 +389,8 @@ class Trainer:
     def make_requests(self, examples: list[dict], step: int) -> tuple[list, list[Request]]:
         """(prompt ids per example, G requests per prompt) of RL step `step`."""
         cfg, g = self.config, self.config.rl.group_size
-        prompts = [self.encode(ex["question"]) for ex in examples]
+        prompts = [self._prompt_ids.get(ex["question"]) or self.encode(ex["question"])
+                   for ex in examples]  # fmt: skip
         seeds = rollout_seeds(self._rng_words, step, len(prompts) * g)
         requests = [Request(prompt, cfg.rollout.max_new_tokens, self.sampling, self.stop_ids,
                             seed=int(seeds[i * g + j]))
