@@ -812,6 +812,37 @@ def test_a_resumed_run_reuses_the_before_evaluation_only_under_the_same_eval_set
     assert other["before"] is None and other["paired"] is None
 
 
+def test_the_saved_before_evaluation_is_held_to_the_model_and_scorer(tmp_path, caplog):
+    """A run killed before its first checkpoint and rerun with another model (no checkpoint
+    to refuse it), or resumed with another reward function, reused `eval_before.json` as its
+    own; a torn file stopped every resume. Now they are evaluated anew or not reported."""
+    from tlt_jax.rl import evaluation
+    from tlt_jax.rl.run import _eval_settings, _load_eval, _save_eval
+
+    result = evaluation.EvalResult(accuracy=0.5, stderr=0.35, num_problems=2, mean_length=3.0,
+                                   correct=(True, False), lengths=(2, 4), seconds=1.0)  # fmt: skip
+    config = tiny_config(**{"eval.num_problems": 2})
+    settings = _eval_settings(config)
+    _save_eval(tmp_path, "before", result, 0, settings)
+    assert _load_eval(tmp_path, "before", settings) is not None
+    for other in ({"model.init_seed": 1}, {"model.dtype": "bfloat16"},
+                  {"rl.reward_fn": "rl_testing:slow_mean_byte_reward"}):  # fmt: skip
+        changed = _eval_settings(tiny_config(**{"eval.num_problems": 2}, **other))
+        assert _load_eval(tmp_path, "before", changed) is None, other
+    moved = _eval_settings(tiny_config(**{"eval.num_problems": 2, "data.cache_dir": "/x"}))
+    assert _load_eval(tmp_path, "before", moved) is not None  # where TFDS caches is no setting
+    # A file written before the model and scorer were recorded is held to what it recorded.
+    path = tmp_path / "eval_before.json"
+    old = json.loads(path.read_text())
+    del old["settings"]["model"], old["settings"]["reward_fn"]
+    path.write_text(json.dumps(old))
+    assert _load_eval(tmp_path, "before", settings) is not None
+    path.write_text(path.read_text()[:40])
+    with caplog.at_level("WARNING"):
+        assert _load_eval(tmp_path, "before", settings) is None
+    assert "eval_before.json does not parse" in caplog.text
+
+
 def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path):
     """A run resumed with another `data` group used to only log a warning and then train on
     the other data from the checkpoint's position: it is refused before the model loads,
@@ -1075,6 +1106,17 @@ def test_spec_threshold_is_calibrated_at_start_without_a_file(tmp_path, monkeypa
     assert saved["threshold"] == trainer.threshold
     want = max((int(b) for b, r in ratios.items() if r < saved["max_cost_ratio"]), default=0)
     assert trainer.threshold == want
+    # A torn file (written in place by older versions) is measured anew, not a failed resume.
+    path = tmp_path / "spec_calibration.json"
+    path.write_text(path.read_text()[:30])
+    measured = []
+    real = policy.calibrate_lib.calibrate
+    monkeypatch.setattr(policy.calibrate_lib, "calibrate",
+                        lambda *a, **k: measured.append(1) or real(*a, **k))  # fmt: skip
+    third = Trainer(config, tmp_path, progress=False)
+    third.close()
+    monkeypatch.undo()
+    assert measured and json.loads(path.read_text())["threshold"] == third.threshold
     with pytest.raises(FileNotFoundError, match="spec.calibration_file='/nowhere.json'"):
         Trainer(tiny_config(**{"spec.mode": "adaptive", "spec.calibration_file": "/nowhere.json"}),
                 tmp_path / "other", progress=False)  # fmt: skip

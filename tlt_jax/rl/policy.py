@@ -243,9 +243,15 @@ def resolve_threshold(config: TrainConfig, engine: RolloutEngine, workdir: Path 
         return REPORT_THRESHOLD
     saved = None if workdir is None else Path(workdir) / CALIBRATION_FILE
     if saved is not None and saved.is_file():  # a resumed run keeps the threshold it ran with
-        threshold = calibrate_lib.load_calibration(saved).threshold_at(spec.max_cost_ratio or 2.0)
-        log.info("SD threshold %d from %s (measured when the run started)", threshold, saved)
-        return threshold
+        try:
+            calibration = calibrate_lib.load_calibration(saved, "the run's own calibration")
+        except ValueError as error:  # a torn file (older versions wrote it in place)
+            log.warning("%s; measuring it again", error)
+        else:
+            threshold = calibration.threshold_at(spec.max_cost_ratio or 2.0)
+            log.info("SD threshold %d from %s (measured when the run started)", threshold,
+                     saved)  # fmt: skip
+            return threshold
     verify = min(SpecStrategy.parse(s.split("|")[0]).verify_tokens for s in spec.strategies)
     result = calibrate_lib.calibrate(engine, verify_tokens=verify, seed=config.seed,
                                      temperature=config.rollout.temperature,

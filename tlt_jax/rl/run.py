@@ -20,6 +20,7 @@ import numpy as np
 from tlt_jax.checkpointing.manager import RunCheckpointer
 from tlt_jax.data.pipeline import load_data
 from tlt_jax.data.tokenizer import stop_token_ids
+from tlt_jax.files import write_text_atomic
 from tlt_jax.metrics.plots import PLOT_FILES
 from tlt_jax.metrics.timing import PHASES
 from tlt_jax.metrics.writer import read_metrics
@@ -44,29 +45,43 @@ def _eval_file(workdir: Path, tag: str) -> Path:
 def _eval_settings(cfg: TrainConfig) -> dict[str, Any]:
     """What decides which problems an evaluation scores and how: two results compare (the
     paired difference) only when these are equal. As JSON reads them back."""
-    settings = {"data": cfg.to_dict()["data"], "num_problems": cfg.eval.num_problems,
-                "max_new_tokens": cfg.eval.max_new_tokens,
+    config = cfg.to_dict()
+    # The model that scored (a rerun of a run killed before its first checkpoint, with another
+    # model, has no checkpoint to refuse it), less the mesh it ran on; the scorer.
+    model = {k: v for k, v in config["model"].items() if k != "mesh_shape"}
+    data = {k: v for k, v in config["data"].items() if k != "cache_dir"}  # where TFDS caches
+    settings = {"data": data, "model": model, "reward_fn": cfg.rl.reward_fn,
+                "num_problems": cfg.eval.num_problems, "max_new_tokens": cfg.eval.max_new_tokens,
                 "max_prompt_len": cfg.rollout.max_prompt_len}  # fmt: skip
     return json.loads(json.dumps(settings))
 
 
 def _save_eval(workdir: Path, tag: str, result: evaluation.EvalResult, step: int,
                settings: dict[str, Any]) -> None:  # fmt: skip
-    _eval_file(workdir, tag).write_text(json.dumps({"step": step, "settings": settings,
-                                                    **result.to_dict()}))  # fmt: skip
+    write_text_atomic(_eval_file(workdir, tag), json.dumps({"step": step, "settings": settings,
+                                                            **result.to_dict()}))  # fmt: skip
 
 
 def _load_eval(workdir: Path, tag: str, settings: dict[str, Any]) -> evaluation.EvalResult | None:
-    """The saved result, or None when there is none or it was evaluated under other
-    `settings` (a run resumed with a changed `eval` or `data` group: its problems are not
-    this run's, and a paired difference with them would be wrong or fail)."""
+    """The saved result, or None when there is none, it does not parse, or it was evaluated
+    under other `settings` (a run resumed with a changed `eval` or `data` group: its problems
+    are not this run's, and a paired difference with them would be wrong or fail; another
+    model or reward function: it scored something else)."""
     path = _eval_file(workdir, tag)
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as error:  # torn or foreign: it cannot be this run's result
+        log.warning("%s does not parse (%s); evaluating anew where the run can", path, error)
+        return None
     data.pop("step", None)
     saved = data.pop("settings", None)
     result = evaluation.EvalResult.from_dict(data)
+    if saved is not None:  # a file from before a setting was recorded is not held to it
+        settings = {k: v for k, v in settings.items() if k in saved}
+        if isinstance(saved.get("data"), dict):
+            saved["data"].pop("cache_dir", None)
     if saved is not None and saved != settings:
         log.warning("%s was evaluated with other eval/data settings than this run's (%s, not "
                     "%s); not reported", path, saved, settings)  # fmt: skip

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tlt_jax.files import write_text_atomic
 from tlt_jax.metrics.timing import median_step_ms
 from tlt_jax.rollout.adaptive import FixedPolicy, PlainPolicy, StepChoice
 from tlt_jax.rollout.sampling import SamplingParams
@@ -84,21 +85,22 @@ class Calibration:
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
 
 
-def load_calibration(path: str | os.PathLike) -> Calibration:
-    """Reads a calibration JSON; the error names the file and what is missing."""
+def load_calibration(path: str | os.PathLike, label: str = "spec.calibration_file"
+                     ) -> Calibration:  # fmt: skip
+    """Reads a calibration JSON; the error names the file (as `label`, e.g. the flag that gave
+    it) and what is missing."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"spec.calibration_file={str(path)!r} does not exist; write one "
+        raise FileNotFoundError(f"{label}={str(path)!r} does not exist; write one "
                                 "with scripts/calibrate_spec.py or set it to ''")  # fmt: skip
     try:
         return Calibration.from_dict(json.loads(path.read_text()))
     except (KeyError, ValueError, TypeError) as e:
         raise ValueError(
-            f"spec.calibration_file={str(path)!r} is not a calibration "
+            f"{label}={str(path)!r} is not a calibration "
             f"(expected threshold, verify_tokens, plain_ms, verify_ms): {e}"
         ) from e
 
