@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -111,7 +112,17 @@ def test_bad_values_name_field_and_allowed_values():
     message = _error(**{"rl.advantage_estimator": "ppo"})
     assert "rl.advantage_estimator='ppo'" in message and "'dr_grpo', 'grpo', 'rloo'" in message
     assert "'seq_mean_token_mean'" in _error(**{"rl.loss_aggregation": "sum"})
-    assert "rollout.temperature=0.0 must be > 0" in _error(**{"rollout.temperature": 0.0})
+    assert "rollout.temperature=0.0 must be finite and > 0" in _error(
+        **{"rollout.temperature": 0.0}
+    )
+    assert "rollout.temperature=inf must be finite" in _error(**{"rollout.temperature": math.inf})
+    assert "rollout.top_k=1 samples greedily" in _error(**{"rollout.top_k": 1})
+    assert "config.seed=4294967296 must be < 2**32" in _error(seed=2**32)
+    assert "model.init_seed=4294967296 must be < 2**32" in _error(**{"model.init_seed": 2**32})
+    message = _error(total_steps=2, **{"optim.warmup_steps": 4, "rl.num_minibatches": 2})
+    assert ("optim.warmup_steps=4 must be < the run's optimizer updates, total_steps=2 x "
+            "rl.num_minibatches=2 = 4") in message  # fmt: skip
+    tiny_config(total_steps=2, **{"optim.warmup_steps": 3, "rl.num_minibatches": 2})
     assert "rollout.xla_opt_level=4 must be an integer in 0..3" in _error(
         **{"rollout.xla_opt_level": 4}
     )

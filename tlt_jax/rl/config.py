@@ -141,6 +141,8 @@ class ModelSettings:
             f"model.mesh_shape={self.mesh_shape!r} must be two positive sizes (data, tensor)",
         )
         _positive_int("model", "init_seed", self.init_seed, minimum=0)
+        _require(self.init_seed < 2**32, f"model.init_seed={self.init_seed} must be < 2**32 "
+                 "(JAX's keys take 32 bits: larger seeds alias smaller ones)")  # fmt: skip
 
     @property
     def uses_mesh(self) -> bool:
@@ -308,12 +310,14 @@ class RolloutConfig:
             _positive_int("rollout", "layers_per_program", self.layers_per_program, minimum=0)
         check_opt_level(self.xla_opt_level, "rollout.xla_opt_level")
         _require(
-            isinstance(self.temperature, int | float) and self.temperature > 0,
-            f"rollout.temperature={self.temperature!r} must be > 0 (greedy groups have "
-            "identical samples and zero advantages)",
+            isinstance(self.temperature, int | float) and 0 < self.temperature < math.inf,
+            f"rollout.temperature={self.temperature!r} must be finite and > 0 (greedy groups "
+            "have identical samples and zero advantages; an infinite one samples uniformly)",
         )
         _require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p!r} must be in (0, 1]")
         _positive_int("rollout", "top_k", self.top_k, minimum=0)
+        _require(self.top_k != 1, "rollout.top_k=1 samples greedily (a group's G samples are "
+                 "identical, their advantages zero); use 0 (no top-k) or >= 2")  # fmt: skip
         for name in (
             "max_new_tokens",
             "max_prompt_len",
@@ -575,6 +579,14 @@ class TrainConfig:
         _positive_int("config", "total_steps", self.total_steps)
         _positive_int("config", "checkpoint_every", self.checkpoint_every)
         _positive_int("config", "seed", self.seed, minimum=0)
+        _require(self.seed < 2**32, f"config.seed={self.seed} must be < 2**32 (JAX's keys take "
+                 "32 bits: larger seeds alias smaller ones)")  # fmt: skip
+        updates = self.total_steps * self.rl.num_minibatches
+        _require(self.optim.warmup_steps < updates or not self.optim.warmup_steps,
+                 f"optim.warmup_steps={self.optim.warmup_steps} must be < the run's optimizer "
+                 f"updates, total_steps={self.total_steps} x rl.num_minibatches="
+                 f"{self.rl.num_minibatches} = {updates}: the learning rate would never reach "
+                 "optim.learning_rate")  # fmt: skip
         _positive_int("config", "plot_every", self.plot_every)
         algorithm = self.rl.algorithm
         if (
