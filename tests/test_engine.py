@@ -177,12 +177,17 @@ def test_max_new_tokens_one(engine):
         (lambda: SamplingParams(temperature=float("inf")), "temperature=inf must be finite"),
         (lambda: SamplingParams(top_k=True), "top_k=True must be an integer"),
         (lambda: EngineConfig(max_batch_size=0), "max_batch_size=0"),
+        (lambda: EngineConfig(max_batch_size=True), "max_batch_size=True"),
+        (lambda: Request([1, 2], True), "max_new_tokens=True"),
     ],
 )
 def test_bad_request_values(make, message):
     with pytest.raises(ValueError, match=message):
         make()
-    assert SamplingParams(top_k=np.int64(5)).top_k == 5  # numpy ints are ints (as int)
+    # numpy ints are ints (kept as int)
+    assert SamplingParams(top_k=np.int64(5)).top_k == 5
+    assert type(Request([1, 2], np.int64(3)).max_new_tokens) is int
+    assert type(EngineConfig(max_batch_size=np.int32(4)).max_batch_size) is int
 
 
 def test_prompt_longer_than_context_fails_before_compiling(model):

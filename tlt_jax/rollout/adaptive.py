@@ -222,9 +222,9 @@ class BanditConfig:
         object.__setattr__(self, "strategies", tuple(tuple(s) for s in self.strategies))
         object.__setattr__(self, "sources", tuple(self.sources))
         for name in ("threshold", "warmup_steps", "window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < (0 if name == "warmup_steps" else 1):
-                raise ValueError(f"spec.{name}={value!r} must be a positive integer")
+            value, low = getattr(self, name), 0 if name == "warmup_steps" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"spec.{name}={value!r} must be an integer >= {low}")
         bounds = self.bucket_bounds
         rising = all(a < b for a, b in zip(bounds, bounds[1:], strict=False))
         if not bounds or bounds[0] != 1 or not rising:

@@ -43,6 +43,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,11 @@ def bucket_for(value: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{value=} exceeds the largest bucket {buckets[-1]}")
 
 
+def _is_int(value: Any) -> bool:
+    """An integer, numpy's included, not a bool (True is no size)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Static sizes of the engine. All programs are compiled for buckets of these."""
@@ -166,8 +172,9 @@ class EngineConfig:
         for name in ("max_batch_size", "max_seq_len", "max_prefill_batch", "min_kv_bucket",
                      "min_prompt_bucket"):  # fmt: skip
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"engine.{name}={value!r} must be a positive integer")
+            object.__setattr__(self, name, int(value))
         if isinstance(self.spec_strategy, str):
             object.__setattr__(self, "spec_strategy", SpecStrategy.parse(self.spec_strategy))
         check_spec_settings(self.spec_strategy, self.spec_max_batch, self.spec_attention_impl)
@@ -216,8 +223,9 @@ class Request:
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
         if not self.prompt_ids:
             raise ValueError("prompt_ids is empty; a request needs at least one prompt token")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
 
 
 @dataclasses.dataclass
