@@ -123,6 +123,8 @@ def test_bad_values_name_field_and_allowed_values():
     assert ("optim.warmup_steps=4 must be < the run's optimizer updates, total_steps=2 x "
             "rl.num_minibatches=2 = 4") in message  # fmt: skip
     tiny_config(total_steps=2, **{"optim.warmup_steps": 3, "rl.num_minibatches": 2})
+    for name in ("attention_chunk", "logits_chunk"):
+        assert f"rl.{name}=3 must be 0 or a power of two" in _error(**{f"rl.{name}": 3})
     assert "rollout.xla_opt_level=4 must be an integer in 0..3" in _error(
         **{"rollout.xla_opt_level": 4}
     )

@@ -181,8 +181,9 @@ class RLConfig:
       remat: recompute each layer in the backward pass (long responses: activations of one
         layer instead of all); None per backend (`step.default_remat`: on for CPU policies of
         >= 8 layers, where it halves the update's time; off on accelerators).
-      attention_chunk: queries per attention block in the train programs (0: all at once);
-        no [len, len] scores or mask are then live beyond one block's.
+      attention_chunk: queries per attention block in the train programs (0: all at once;
+        else a power of two: a row's blocks are gcd(row length, chunk) long); no [len, len]
+        scores or mask are then live beyond one block's.
       logits_chunk: positions along a row per LM-head block in the train programs (0: all
         at once; a block is every row's `logits_chunk` positions); None per backend
         (`step.default_logits_chunk`: 32 on CPU, where the gradient program runs 1.02-1.14x
@@ -219,9 +220,16 @@ class RLConfig:
         _positive_int("rl", "num_minibatches", self.num_minibatches)
         _positive_int("rl", "max_nonfinite_steps", self.max_nonfinite_steps)
         _positive_int("rl", "min_length_bucket", self.min_length_bucket)
-        _positive_int("rl", "attention_chunk", self.attention_chunk, minimum=0)
-        if self.logits_chunk is not None:
-            _positive_int("rl", "logits_chunk", self.logits_chunk, minimum=0)
+        for name in ("attention_chunk", "logits_chunk"):
+            value = getattr(self, name)
+            if value is None:  # logits_chunk: per backend
+                continue
+            _positive_int("rl", name, value, minimum=0)
+            # A row splits into blocks of gcd(row length, chunk) positions: with a chunk of 3
+            # an even row went one position at a time. Row lengths are multiples of
+            # min_length_bucket, so a power of two keeps the blocks as large as they divide.
+            _require(value & (value - 1) == 0, f"rl.{name}={value} must be 0 or a power of two "
+                     "(a row's blocks are gcd(row length, chunk) positions long)")  # fmt: skip
         _require(
             self.remat is None or isinstance(self.remat, bool),
             f"rl.remat={self.remat!r} must be true, false or unset (None: per backend)",
