@@ -13,6 +13,7 @@ from absl import logging
 
 from tlt_jax.data.pipeline import read_prompt_rows
 from tlt_jax.data.tokenizer import PromptEncoder, stop_token_ids
+from tlt_jax.files import write_text_atomic
 from tlt_jax.rollout.adaptive import DRAFT_SOURCES, FixedPolicy, PlainPolicy, StepChoice
 from tlt_jax.rollout.engine import (
     DRAFTER_SYNC,
@@ -167,10 +168,11 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     start = time.perf_counter()
     completions = engine.generate(requests)
     elapsed = time.perf_counter() - start
-    if config.output:
-        with open(config.output, "w") as f:
-            for comp in completions:
-                f.write(json.dumps(completion_record(comp, tokenizer)) + "\n")
+    if config.output:  # whole or not at all: a kill mid-write leaves no torn JSONL
+        write_text_atomic(
+            config.output,
+            "".join(json.dumps(completion_record(comp, tokenizer)) + "\n" for comp in completions),
+        )
     tokens = sum(len(c.token_ids) for c in completions)
     return {
         "requests": len(completions),
