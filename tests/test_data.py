@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +97,14 @@ def test_arithmetic_level0_is_small_and_held_out():
     # 21 * 21 operand pairs and two operators: 882 distinct problems, no more.
     with pytest.raises(ValueError, match="could only draw 882 distinct problems"):
         arithmetic.generate_split((0,), 900, 0, "test", frozenset())
+    # A split far past that stops once draws find nothing new (it drew 401,000 times for
+    # 20,000), naming the flags.
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"could only draw 682 distinct problems for the "
+                       r"train split .* lower --config\.data\.num_train or pick a larger "
+                       r"--config\.data\.level"):  # fmt: skip
+        arithmetic.generate_split((0,), 20_000, 0, "train", test_expressions)
+    assert time.perf_counter() - start < 15
 
 
 def test_arithmetic_exclusion_removes_given_expressions():

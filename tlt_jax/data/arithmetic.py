@@ -34,6 +34,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 LEVELS = (0, 1, 2, 3, 4, 5)
+_EXHAUSTED = 20_000  # draws in a row without a new problem: the level has no more
 MIXED_LEVELS = (1, 2, 3)
 # Names of the level sets that are not `level<N>`.
 _NAMED_LEVELS = {"chain": (4,), "word": (5,), "steps": (0, 4), "mixed": MIXED_LEVELS}
@@ -203,22 +204,27 @@ def generate_split(
     rng = np.random.default_rng([seed, _SPLIT_STREAM[split]])
     seen: set[str] = set()
     examples: list[dict] = []
-    # Distinct problems are plentiful at every level; the cap only stops a config that
-    # asks for more distinct problems than a level can produce from looping forever.
-    max_draws = 20 * num_examples + 1000
+    # A level can run out of distinct problems (level0 has 882): drawing stops once
+    # `_EXHAUSTED` draws in a row found nothing new (a level with even 1 in 1,000 of its
+    # problems left finds one in that many draws but for odds of e^-20), not after 20 draws
+    # per example asked (a 20,000-example split of level0 drew for 25 s before failing).
+    max_draws, misses = 20 * num_examples + 1000, 0
     for _ in range(max_draws):
-        if len(examples) == num_examples:
+        if len(examples) == num_examples or misses == _EXHAUSTED:
             break
         level = levels[int(rng.integers(len(levels)))]
         question, expression, result = make_problem(rng, level)
         if expression in seen or expression in exclude:
+            misses += 1
             continue
+        misses = 0
         seen.add(expression)
         examples.append({"question": question, "answer": str(result), "level": level})
     if len(examples) < num_examples:
         raise ValueError(
-            f"could only draw {len(examples)} distinct problems for {split=} at {levels=}, "
-            f"{num_examples=} requested; lower the split size"
+            f"could only draw {len(examples)} distinct problems for the {split} split at "
+            f"levels {levels} (the test split's excluded from train), {num_examples} requested: "
+            f"lower --config.data.num_{split} or pick a larger --config.data.level"
         )
     return examples, frozenset(seen)
 
