@@ -891,6 +891,44 @@ def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path):
     assert data_changes({"data": {}}, DataConfig(seed=3)) == {"data.seed": (0, 3)}
 
 
+def test_a_resume_follows_the_gsm8k_files_content_not_their_path(tmp_path):
+    """`data.data_dir` was compared as a string: files edited in place resumed silently (the
+    position and the before-evaluation then belong to other problems), while the same folder
+    spelled differently was refused. The checkpoint keeps the files' digest and it decides."""
+    import shutil
+
+    def folder(name, answer):
+        path = tmp_path / name
+        path.mkdir()
+        rows = [{"question": f"{a} + {b}?", "answer": f"#### {a + b + answer}"}
+                for a in range(4) for b in range(3)]  # fmt: skip
+        (path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (path / "test.jsonl").write_text(json.dumps(rows[0]) + "\n")
+        return path
+
+    data = folder("gsm8k", 0)
+    work = tmp_path / "work"
+
+    def gsm8k(path, **more):
+        return {"data.name": "gsm8k", "data.data_dir": str(path),
+                "data.cache_dir": str(tmp_path / "tfds"), **more}  # fmt: skip
+
+    _train_one_step(work, **gsm8k(data))
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved)
+    same = Trainer(tiny_config(total_steps=1, **gsm8k(moved)), work, progress=False)
+    assert same.restored_from == 1  # the same files under another path
+    same.close()
+    (data / "train.jsonl").write_text((folder("edited", 1) / "train.jsonl").read_text())
+    with _no_model_load("the data files were compared"):
+        with pytest.raises(
+            ValueError,
+            match=r"another data config: data files \(content\) "
+            r"\(checkpoint 'files_[0-9a-f]{12}', this run 'files_[0-9a-f]{12}'\)",
+        ):
+            Trainer(tiny_config(total_steps=1, **gsm8k(data)), work, progress=False)
+
+
 def test_a_resume_of_another_model_is_refused_unless_allowed(tmp_path):
     """A run with a KL penalty resumed with another `model.init_seed` only logged "changed
     config groups ['model']" and then took the other model as its KL reference (the

@@ -125,12 +125,14 @@ class RunCheckpointer(_Checkpointer):
     def save(self, step: int, state: Any, data_position: dict[str, int],
              config: dict[str, Any], extra: dict[str, Any] | None = None, *,
              drafter: Any = None, drafter_buffer: dict | None = None,
-             weights: str | None = None, tokenizer: str | None = None) -> bool:  # fmt: skip
+             weights: str | None = None, tokenizer: str | None = None,
+             data_files: str | None = None) -> bool:  # fmt: skip
         """Starts saving (returns before the files are written when async). False if present.
 
         Args:
           weights: the fingerprint of the model's checkpoint file (None: a random preset).
           tokenizer: the fingerprint of its tokenizer files (None: none to fingerprint).
+          data_files: the fingerprint of the dataset files read (None: generated data).
         """
         if self._read_only:
             raise ValueError(f"{self.directory} was opened read-only: it saves nothing")
@@ -144,7 +146,7 @@ class RunCheckpointer(_Checkpointer):
             config=ocp.args.JsonSave(config),
             extra=ocp.args.JsonSave(extra or {}),
         )
-        fingerprints = {"fingerprint": weights, "tokenizer": tokenizer}
+        fingerprints = {"fingerprint": weights, "tokenizer": tokenizer, "data_files": data_files}
         fingerprints = {k: v for k, v in fingerprints.items() if v is not None}
         if fingerprints:
             items["weights"] = ocp.args.JsonSave(fingerprints)
@@ -170,6 +172,11 @@ class RunCheckpointer(_Checkpointer):
         latest); None if there is none (the byte tokenizer, a GGUF file, or a checkpoint
         written before it existed). Reads nothing else."""
         return (self._read_json("weights", step) or {}).get("tokenizer")
+
+    def read_data_files(self, step: int | None = None) -> str | None:
+        """The dataset files' fingerprint stored with the checkpoint at `step` (default latest);
+        None if there is none (generated data, or a checkpoint written before it existed)."""
+        return (self._read_json("weights", step) or {}).get("data_files")
 
     def read_shapes(self, item: str, step: int | None = None) -> dict[str, tuple] | None:
         """`{leaf path: shape}` of the arrays of `item` (e.g. "drafter") in the checkpoint at

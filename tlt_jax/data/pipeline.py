@@ -428,6 +428,19 @@ def load_data(config: DataConfig, split: str) -> list[dict[str, Any]]:
     )
 
 
+def data_fingerprint(config: DataConfig) -> str | None:
+    """What identifies the content of the files a `DataConfig` reads: GSM8K's split files'
+    digest (`gsm8k.config_for_files`, e.g. `files_af5af9840296`); None for generated data,
+    which its config alone determines.
+
+    Raises:
+      FileNotFoundError: when GSM8K's folder or a split file is missing (naming the flag).
+    """
+    if config.name != "gsm8k":
+        return None
+    return gsm8k.config_for_files(gsm8k.check_manual_dir(config.data_dir)).name
+
+
 def make_prompt_iterator(config: DataConfig, batch_size: int) -> PromptIterator:
     """The train-split iterator of a `DataConfig`.
 

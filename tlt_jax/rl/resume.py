@@ -38,9 +38,16 @@ def _listed(changes: dict[str, tuple[Any, Any]]) -> str:
                      for name, (old, new) in changes.items())  # fmt: skip
 
 
-def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig) -> bool:
+def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig,
+                       data_files: str | None = None) -> bool:  # fmt: skip
     """Whether the run to resume (the latest checkpoint's) had another `data` config than
-    `config`; reads only the checkpoint's config.
+    `config`, or read files of other content; reads only the checkpoint's config and
+    fingerprints.
+
+    Args:
+      data_files: this run's `pipeline.data_fingerprint`. Where both runs have one, it
+        decides for `data.data_dir`: the same files under another path (a moved folder, a
+        relative spelling) resume; files edited in place do not.
 
     Raises:
       ValueError: naming the checkpoint and each changed field with both values, unless
@@ -50,6 +57,11 @@ def check_resumed_data(checkpointer: RunCheckpointer, config: TrainConfig) -> bo
     step = checkpointer.latest_step()
     stored = checkpointer.read_config(step) if step is not None else None
     changes = data_changes(stored or {}, config.data)
+    stored_files = checkpointer.read_data_files(step) if step is not None else None
+    if stored_files is not None and data_files is not None:
+        changes.pop("data.data_dir", None)
+        if stored_files != data_files:
+            changes["data files (content)"] = (stored_files, data_files)
     if not changes:
         return False
     listed = _listed(changes)

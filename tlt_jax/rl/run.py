@@ -42,7 +42,7 @@ def _eval_file(workdir: Path, tag: str) -> Path:
     return workdir / f"eval_{tag}.json"
 
 
-def _eval_settings(cfg: TrainConfig) -> dict[str, Any]:
+def _eval_settings(cfg: TrainConfig, data_files: str | None = None) -> dict[str, Any]:
     """What decides which problems an evaluation scores and how: two results compare (the
     paired difference) only when these are equal. As JSON reads them back."""
     config = cfg.to_dict()
@@ -53,6 +53,8 @@ def _eval_settings(cfg: TrainConfig) -> dict[str, Any]:
     settings = {"data": data, "model": model, "reward_fn": cfg.rl.reward_fn,
                 "num_problems": cfg.eval.num_problems, "max_new_tokens": cfg.eval.max_new_tokens,
                 "max_prompt_len": cfg.rollout.max_prompt_len}  # fmt: skip
+    if data_files is not None:  # the files' content (`pipeline.data_fingerprint`)
+        settings["data_files"] = data_files
     return json.loads(json.dumps(settings))
 
 
@@ -183,7 +185,7 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
     # Process 0 evaluates and reports (evaluation needs no other process); the others train.
     primary = trainer.group.is_primary
     try:
-        settings = _eval_settings(cfg)
+        settings = _eval_settings(cfg, trainer.data_files)
         before = _load_eval(workdir, "before", settings) if primary else None
         if primary and before is None and cfg.eval.at_start and cfg.eval.num_problems:
             if trainer.step_count == 0:

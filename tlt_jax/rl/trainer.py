@@ -49,7 +49,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tlt_jax.checkpointing.manager import RunCheckpointer
-from tlt_jax.data.pipeline import PromptIterator, load_data
+from tlt_jax.data.pipeline import PromptIterator, data_fingerprint, load_data
 from tlt_jax.data.tokenizer import stop_token_ids
 from tlt_jax.metrics import timing
 from tlt_jax.metrics.plots import (
@@ -149,7 +149,8 @@ class Trainer:
             self._tokenizer_files = policy.tokenizer_fingerprint(cfg.model)
             check_resumed_model(self.checkpointer, cfg, self._weights,
                                 tokenizer=self._tokenizer_files)  # fmt: skip
-            data_changed = check_resumed_data(self.checkpointer, cfg)
+            self.data_files = data_fingerprint(cfg.data)
+            data_changed = check_resumed_data(self.checkpointer, cfg, self.data_files)
             check_resumed_drafter(self.checkpointer, cfg)
             self._train_examples = load_data(cfg.data, cfg.data.train_split)
             self.tokenizer = (tokenizer if tokenizer is not None
@@ -735,7 +736,8 @@ class Trainer:
         self.checkpointer.save(self.step_count, self.state, self.iterator.state(),
                                self.config.to_dict(), extra, drafter=drafter,
                                drafter_buffer=buffer, weights=self._weights,
-                               tokenizer=self._tokenizer_files)  # fmt: skip
+                               tokenizer=self._tokenizer_files,
+                               data_files=self.data_files)  # fmt: skip
 
     def export_drafter(self) -> Path | None:
         """The online drafter as an HF-EAGLE directory (`workdir/drafter`); None without one."""
