@@ -568,15 +568,19 @@ def test_warmup_trains_resumes_and_exports(policy, tmp_path, monkeypatch):
     # The RL job's stop ids; the second run reused the cached responses.
     assert calls == [(5, stop_token_ids(_ByteTokenizer()))] == [(5, (0,))]
     assert seen_hot[0].tolist() == [13, 14, 15]  # the loss ran over the hot ids
-    # Other weights, or another temperature, generate anew (features of another model's
-    # tokens would train the drafter on the wrong distribution); the same settings do not.
+    # Other weights are refused before anything is generated: this workdir's drafter was
+    # trained for the other policy (it used to regenerate the responses, then resume that
+    # drafter). Another temperature generates anew (features of other tokens would train the
+    # drafter on the wrong distribution); the same settings do not.
     scaled = init_model(CONFIG, 1)
-    warmup.run_warmup(config, scaled, _ByteTokenizer(), max_steps=5)
-    warmup.run_warmup(dataclasses.replace(config, temperature=0.7), scaled, _ByteTokenizer(),
+    with pytest.raises(ValueError, match="trained for another policy"):
+        warmup.run_warmup(config, scaled, _ByteTokenizer(), max_steps=5)
+    assert len(calls) == 1
+    warmup.run_warmup(dataclasses.replace(config, temperature=0.7), policy, _ByteTokenizer(),
                       max_steps=5)  # fmt: skip
-    warmup.run_warmup(dataclasses.replace(config, temperature=0.7), scaled, _ByteTokenizer(),
+    warmup.run_warmup(dataclasses.replace(config, temperature=0.7), policy, _ByteTokenizer(),
                       max_steps=5)  # fmt: skip
-    assert len(calls) == 3
+    assert len(calls) == 2
     with pytest.raises(ValueError, match="hot_vocab_size=999"):
         warmup.run_warmup(dataclasses.replace(config, hot_vocab_size=999), policy,
                           _ByteTokenizer(), max_steps=5)  # fmt: skip
@@ -619,6 +623,22 @@ def test_another_policys_drafter_checkpoint_is_refused_by_name_before_any_work(
         warmup.run_warmup(warm, nnx.eval_shape(lambda: Transformer(wider, rngs=nnx.Rngs(0))),
                           _ByteTokenizer(), max_steps=2)  # fmt: skip
     assert cache.read_text() == "the earlier policy's responses\n"
+    # The same architecture trained for another policy (a base vs an instruct model): the
+    # architecture alone let it resume, so a finished warm-up re-exported the old drafter.
+    policy = Transformer(CONFIG, rngs=nnx.Rngs(0))
+    digest = warmup.policy_digest(policy)
+    assert digest != warmup.policy_digest(Transformer(CONFIG, rngs=nnx.Rngs(1)))
+    with pytest.raises(ValueError, match=f"trained for another policy \\(weights digest "
+                       f"0123456789abcdef, this policy's {digest}\\)"):  # fmt: skip
+        other_policy = DrafterCheckpointer(tmp_path / "work" / "checkpoints", CONFIG,
+                                           policy_weights="0123456789abcdef")  # fmt: skip
+        other_policy.save(init_train_state(random_drafter(4).params_dict(), config).replace(
+            step=jnp.int32(7)), force=True)  # fmt: skip
+        other_policy.close()
+        warmup.run_warmup(warm, policy, _ByteTokenizer(), max_steps=2)
+    assert cache.read_text() == "the earlier policy's responses\n"
+    # A checkpoint that records no policy (written before it did) is not refused.
+    assert DrafterCheckpointer(tmp_path / "work" / "checkpoints", CONFIG).check(0) == 0
 
 
 def test_a_torn_response_cache_is_regenerated_not_fatal(tmp_path):

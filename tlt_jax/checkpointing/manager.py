@@ -275,13 +275,23 @@ class DrafterCheckpointer(_Checkpointer):
     """Orbax checkpoints of a `DrafterTrainState` only (never the policy's embed / head).
 
     Every `save_every` steps (or when forced), keeping the last `keep`; each checkpoint also
-    records the drafter's architecture so a mismatched resume fails loudly.
+    records the drafter's architecture, and the digest of the policy it is trained for, so a
+    mismatched resume fails loudly.
     """
 
     def __init__(self, directory: str | os.PathLike, target_config: ModelConfig, *,
-                 keep: int = 3, save_every: int = 1, async_save: bool = True):  # fmt: skip
+                 keep: int = 3, save_every: int = 1, async_save: bool = True,
+                 policy_weights: str | None = None):  # fmt: skip
+        """
+        Args:
+          policy_weights: a digest of the policy's weights (`warmup.policy_digest`): a
+            workdir of a drafter trained for another policy of the same architecture (a base
+            vs an instruct model, an RL-trained one) is then refused, not resumed.
+        """
         self.directory = Path(directory).expanduser().absolute()
         self._metadata = drafter_config(target_config).to_hf_dict()
+        if policy_weights is not None:
+            self._metadata["policy_weights"] = policy_weights
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=save_every, create=True,
             enable_async_checkpointing=async_save,
@@ -298,26 +308,38 @@ class DrafterCheckpointer(_Checkpointer):
         )
         return self._manager.save(step, args=args, force=force)
 
-    def check(self, step: int | None = None) -> int | None:
-        """Reads only the architecture stored with the checkpoint at `step` (default latest)
-        and compares it with this drafter's, before anything is generated, compiled or
-        restored; returns the step checked (None: no checkpoint).
+    def check(self, step: int | None = None, policy_weights: str | None = None) -> int | None:
+        """Reads only the architecture (and policy digest) stored with the checkpoint at
+        `step` (default latest) and compares them with this drafter's, before anything is
+        generated, compiled or restored; returns the step checked (None: no checkpoint).
+
+        Args:
+          policy_weights: the policy digest to compare with (default: this checkpointer's).
 
         Raises:
           ValueError: when the checkpoint belongs to a different drafter architecture, naming
-            the directory and the differing fields.
+            the directory and the differing fields, or was trained for another policy.
         """
         step = self._manager.latest_step() if step is None else step
         if step is None:
             return None
-        stored = self._manager.restore(
-            step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config  # fmt: skip
-        if stored != self._metadata:
-            diff = {k: (stored.get(k), v) for k, v in self._metadata.items()
+        stored = dict(self._manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)  # fmt: skip
+        expected = dict(self._metadata)
+        policy = (stored.pop("policy_weights", None), expected.pop("policy_weights", None))
+        policy = (policy[0], policy_weights or policy[1])
+        if stored != expected:
+            diff = {k: (stored.get(k), v) for k, v in expected.items()
                     if stored.get(k) != v}  # fmt: skip
             raise ValueError(
                 f"checkpoint {self.directory}/{step} is for another drafter: "
                 f"(checkpoint, expected) differ at {diff}"
+            )
+        if None not in policy and policy[0] != policy[1]:  # older checkpoints record none
+            raise ValueError(
+                f"checkpoint {self.directory}/{step} holds a drafter trained for another policy "
+                f"(weights digest {policy[0]}, this policy's {policy[1]}): resuming would keep "
+                "(or re-export) that drafter; use another --workdir"
             )
         return step
 

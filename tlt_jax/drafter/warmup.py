@@ -266,14 +266,19 @@ def read_responses(path: str | os.PathLike) -> tuple[list[list[int]], list[list[
     return [r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows]
 
 
-def generation_key(model: Transformer, config: WarmupConfig, stop_ids: Sequence[int]) -> dict:
-    """What decides the cached responses besides the prompts: the policy's weights (a digest
-    of every parameter's sum, in tree order), the temperature, seed, stop ids and
-    length."""
+def policy_digest(model: Transformer) -> str:
+    """A digest of the policy's weights: every parameter's sum, in tree order (one host
+    read)."""
     sums = jax.device_get(
         [jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(nnx.state(model))]
-    )  # one host read
-    return {"weights": hashlib.sha256(np.asarray(sums, np.float64).tobytes()).hexdigest()[:16],
+    )
+    return hashlib.sha256(np.asarray(sums, np.float64).tobytes()).hexdigest()[:16]
+
+
+def generation_key(model: Transformer, config: WarmupConfig, stop_ids: Sequence[int]) -> dict:
+    """What decides the cached responses besides the prompts: the policy's weights
+    (`policy_digest`), the temperature, seed, stop ids and length."""
+    return {"weights": policy_digest(model),
             "temperature": config.temperature, "seed": config.seed,
             "stop_ids": sorted(int(t) for t in stop_ids),
             "max_new_tokens": config.max_new_tokens}  # fmt: skip
@@ -325,8 +330,12 @@ def run_warmup(config: WarmupConfig, model: Transformer, tokenizer, *, max_steps
     # A workdir of another policy's drafter fails here, before its cached responses are
     # regenerated (and overwritten) and the harvest compiles.
     checkpointer = DrafterCheckpointer(workdir / "checkpoints", model.config)
-    trained_steps = checkpointer.check() or 0
-    checkpointer.close()
+    try:
+        trained_steps = checkpointer.check() or 0
+        if trained_steps:  # and one of the same architecture trained for another policy
+            checkpointer.check(policy_weights=policy_digest(model))
+    finally:
+        checkpointer.close()
     prompt_ids = load_prompt_ids(config, tokenizer)
     cache_path = workdir / "responses.jsonl"
     stop_ids = stop_token_ids(tokenizer)
@@ -388,7 +397,8 @@ def train_drafter(
       The final `DrafterTrainState` (also checkpointed).
     """
     checkpointer = DrafterCheckpointer(checkpoint_dir, model.config,
-                                       keep=config.keep_checkpoints)  # fmt: skip
+                                       keep=config.keep_checkpoints,
+                                       policy_weights=policy_digest(model))  # fmt: skip
     fresh = lambda: init_train_state(init_drafter(model.config, seed).params_dict(), config)
     # Resuming restores into the abstract state: no random initialisation runs.
     state = checkpointer.restore(jax.eval_shape(fresh))
