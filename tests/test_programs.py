@@ -121,3 +121,30 @@ def test_an_engine_compiles_every_program_with_its_level_and_emits_the_same_toke
                       "xla:xla_backend_optimization_level=1"}  # fmt: skip
     assert tokens[0][0] == tokens[1][0]  # greedy: the level changes no token of this model
     np.testing.assert_allclose(tokens[0][1], tokens[1][1], atol=1e-5)
+
+
+def test_engines_of_other_models_sharing_a_pool_run_their_own_programs():
+    """Pool keys held shapes, not what the programs are made of: an engine of another model
+    of the same shapes (here another RoPE base) sharing a pool ran the first one's programs
+    (review finding). Identically configured engines still share theirs."""
+    from tlt_jax.models import presets
+    from tlt_jax.models.transformer import init_model
+    from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
+
+    config = presets.get_preset("tiny")
+    models = [init_model(config, seed=1), init_model(config.replace(rope_theta=77.0), seed=1)]
+    request = [Request(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=8)]
+    engine_config = EngineConfig(max_batch_size=2, max_seq_len=64)
+
+    def tokens(engine):  # with their log-probs, which any change of the model moves
+        out = engine.generate(request, progress=False)[0]
+        return out.token_ids, np.round(out.logprobs, 5).tolist()
+
+    alone = [tokens(RolloutEngine(m, engine_config)) for m in models]
+    assert alone[0] != alone[1]  # the RoPE base changes what this model computes
+    pool = programs.ProgramPool()
+    shared = [tokens(RolloutEngine(m, engine_config, pool=pool)) for m in models]
+    assert shared == alone
+    compiled = len(pool.keys())
+    assert tokens(RolloutEngine(models[1], engine_config, pool=pool)) == alone[1]
+    assert len(pool.keys()) == compiled  # the same config's programs are reused

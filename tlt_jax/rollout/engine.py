@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import sys
 import time
@@ -611,9 +612,15 @@ class RolloutEngine:
         self.stats = EngineStats()
         self.pool = pool if pool is not None else ProgramPool()
         self._options = compile_options(config.xla_opt_level, jax.default_backend())
-        # Where options are set they end every pool key (`_pool_key`), built once here.
+        # What the programs compile in beyond a key's shapes ends every pool key (`_pool_key`),
+        # built once here: the model's and drafter's configs and the SD attention path (a
+        # digest), then the XLA options where set. Engines that share a pool then never run
+        # each other's programs; identically configured ones (rollout slices) share them.
+        made_of = repr((model.config, self.drafter_config, config.spec_attention_impl))
+        identity = "model:" + hashlib.sha256(made_of.encode()).hexdigest()[:8]
         options = sorted((self._options or {}).items())
-        self._key_suffix = ("xla:" + ",".join(f"{k}={v}" for k, v in options),) if options else ()
+        xla = ("xla:" + ",".join(f"{k}={v}" for k, v in options),) if options else ()
+        self._key_suffix = (identity, *xla)
         self.ngram = ngram_index
         self._policy: StepPolicy = PlainPolicy()
         self.hot_token_ids = None
@@ -747,9 +754,10 @@ class RolloutEngine:
     # -- executable pool -------------------------------------------------------------------
 
     def _pool_key(self, key: tuple) -> tuple:
-        """`key` as the pool holds it: with the XLA compile options this engine compiles with,
-        so engines of other `xla_opt_level`s sharing a pool never run each other's programs
-        (their fields stay where the key's readers look, in front)."""
+        """`key` as the pool holds it: with what this engine's programs are made of (model,
+        drafter, SD attention path) and the XLA compile options it compiles with, so engines
+        of other configs or `xla_opt_level`s sharing a pool never run each other's programs
+        (the key's own fields stay where its readers look, in front)."""
         return (*key, *self._key_suffix)
 
     def _program(self, key: tuple, fn: Callable, *args, donate: tuple[int, ...] = ()):
