@@ -113,9 +113,10 @@ def test_tiny_bucketed_verifies_are_the_pairs_the_bandit_uses(tiny):
     verifies = {(k[1], k[2]) for k in keys if k[0] == "spec_verify"}
     assert verifies == usable == {(1, 6), (2, 4)}
     # Sampled requests (greedy=False), one kv bucket, engines with a drafter, no top-k/top-p.
-    assert {k[3:] for k in keys if k[0] == "spec_verify"} == {(64, False, True, False)}
-    # Drafts use the 32-token hot vocabulary.
-    assert {k[-1] for k in keys if k[0] == "spec_draft"} == {32}
+    assert {k[3:7] for k in keys if k[0] == "spec_verify"} == {(64, False, True, False)}
+    # Drafts use the 32-token hot vocabulary; every key ends with what the programs are made of.
+    assert {k[5] for k in keys if k[0] == "spec_draft"} == {32}
+    assert len({next(e for e in k if str(e).startswith("model:")) for k in keys}) == 1
 
 
 def test_tiny_naive_holds_more_than_bucketed(tiny):

@@ -582,7 +582,7 @@ class _FakeClock:
         program = engine._program
 
         def timed(key, fn, *args, **kwargs):
-            if key not in engine.pool:
+            if not engine.holds(key):
                 self.now += self.costs.get("compile", 0.0)
             compiled = program(key, fn, *args, **kwargs)
 
@@ -676,7 +676,7 @@ def test_engine_hot_vocab_matches_plain(engines, aligned):
         sd.set_hot_token_ids(None)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     assert np.mean(got[1].accepted_lengths) > 1.5
-    assert ("spec_draft", 1, 2, 3, KV_LEN, 32) in sd.pool
+    assert sd.holds(("spec_draft", 1, 2, 3, KV_LEN, 32))
 
 
 def test_engine_slices_the_hot_head_once_per_weight_sync(engines, aligned):
@@ -693,7 +693,7 @@ def test_engine_slices_the_hot_head_once_per_weight_sync(engines, aligned):
     try:
         steps = sd.stats.spec_steps
         sd.generate(_requests(prompts, {}))
-        assert sd.stats.spec_steps > steps and ("hot_head", 32) in sd.pool
+        assert sd.stats.spec_steps > steps and sd.holds(("hot_head", 32))
         sliced = sd._hot_vocab()[1]
         np.testing.assert_array_equal(sliced, head_of(sd)[:, ids])
         sd.generate(_requests(prompts, {}))

@@ -284,7 +284,9 @@ class RolloutConfig:
 
     Attributes:
       temperature: sampling temperature (> 0: the G samples of a group must differ).
-      top_p / top_k: nucleus and top-k truncation (1.0 / 0 disable them).
+      top_p / top_k: nucleus and top-k truncation (1.0 / 0 disable them). top_k = 1 samples
+        the argmax (a group's samples alike, their advantages zero): kept for determinism
+        checks, which compare SD and plain rollouts token for token.
       max_new_tokens: response length limit.
       max_prompt_len: longest prompt accepted (tokens); sizes the engine's context.
       max_batch_size: engine slots (requests decoded together).
@@ -324,8 +326,6 @@ class RolloutConfig:
         )
         _require(0 < self.top_p <= 1, f"rollout.top_p={self.top_p!r} must be in (0, 1]")
         _positive_int("rollout", "top_k", self.top_k, minimum=0)
-        _require(self.top_k != 1, "rollout.top_k=1 samples greedily (a group's G samples are "
-                 "identical, their advantages zero); use 0 (no top-k) or >= 2")  # fmt: skip
         for name in (
             "max_new_tokens",
             "max_prompt_len",

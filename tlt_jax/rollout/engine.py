@@ -811,6 +811,11 @@ class RolloutEngine:
         n = len(pool_key)
         return any(len(k) == n + 1 and k[:n] == pool_key for k in self.pool.keys())
 
+    def holds(self, key: tuple) -> bool:
+        """Whether the shared pool holds this engine's program of `key` (its own fields, as
+        the engine builds them: the pool's key adds what the programs are made of)."""
+        return self._compiled_as_one(key)
+
     @contextlib.contextmanager
     def one_program_steps(self):
         """Inside, every decode and verify step runs as one program (the engine's steady
