@@ -118,6 +118,12 @@ def test_bad_values_name_field_and_allowed_values():
     assert "rollout.temperature=inf must be finite" in _error(**{"rollout.temperature": math.inf})
     assert "config.seed=4294967296 must be < 2**32" in _error(seed=2**32)
     assert "model.init_seed=4294967296 must be < 2**32" in _error(**{"model.init_seed": 2**32})
+    # A fractional size used to be truncated to a mesh of another shape (1.5 -> 1).
+    for shape in ((1.5, 1), (1, True), (1, 1, 1), (0, 1)):
+        assert f"model.mesh_shape={shape!r} must be two positive integers" in _error(
+            **{"model.mesh_shape": shape}
+        )
+    assert "data.num_train=0 must be >= 1" in _error(**{"data.num_train": 0})
     message = _error(total_steps=2, **{"optim.warmup_steps": 4, "rl.num_minibatches": 2})
     assert ("optim.warmup_steps=4 must be < the run's optimizer updates, total_steps=2 x "
             "rl.num_minibatches=2 = 4") in message  # fmt: skip

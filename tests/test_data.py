@@ -270,7 +270,7 @@ def test_gsm8k_missing_folder_or_file_names_flag_and_path(tmp_path):
         )
     with pytest.raises(FileNotFoundError, match="--config.data.data_dir"):
         pipeline.load_split("gsm8k", "test", data_dir=tmp_path / "tfds")
-    with pytest.raises(ValueError, match="DataConfig.data_dir=None.*--config.data.data_dir"):
+    with pytest.raises(ValueError, match="data.data_dir=None.*--config.data.data_dir"):
         pipeline.DataConfig(name="gsm8k")
 
 
@@ -399,17 +399,17 @@ def test_iterator_rejects_bad_arguments():
 
 
 def test_data_config_validation_names_field_value_and_choices():
-    with pytest.raises(ValueError, match=r"DataConfig.name='mnist'.*'arithmetic', 'gsm8k'"):
+    with pytest.raises(ValueError, match=r"data.name='mnist'.*'arithmetic', 'gsm8k'"):
         pipeline.DataConfig(name="mnist")
-    with pytest.raises(ValueError, match=r"DataConfig.level='hard'.*'level1'"):
+    with pytest.raises(ValueError, match=r"data.level='hard'.*'level1'"):
         pipeline.DataConfig(level="hard")
-    with pytest.raises(ValueError, match=r"DataConfig.eval_split='validation'.*'test'"):
+    with pytest.raises(ValueError, match=r"data.eval_split='validation'.*'test'"):
         pipeline.DataConfig(eval_split="validation")
-    with pytest.raises(ValueError, match="DataConfig.num_train=0"):
+    with pytest.raises(ValueError, match="data.num_train=0"):
         pipeline.DataConfig(num_train=0)
-    with pytest.raises(ValueError, match="DataConfig.seed=-1"):
+    with pytest.raises(ValueError, match="data.seed=-1"):
         pipeline.DataConfig(seed=-1)
-    with pytest.raises(ValueError, match="DataConfig.eval_split='train' is the train split"):
+    with pytest.raises(ValueError, match="data.eval_split='train' is the train split"):
         pipeline.DataConfig(eval_split="train")
 
 

@@ -889,6 +889,13 @@ def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path):
     assert data_changes({"data": {}}, DataConfig()) == {}
     assert data_changes({"data": {"cache_dir": "/elsewhere"}}, DataConfig()) == {}
     assert data_changes({"data": {}}, DataConfig(seed=3)) == {"data.seed": (0, 3)}
+    # A field only the other dataset reads is no change (two gsm8k runs never read
+    # `data.level`); it is one where either run read it.
+    gsm8k = {"name": "gsm8k", "data_dir": "/d", "level": "level1", "num_train": 8}
+    assert data_changes({"data": gsm8k}, DataConfig(name="gsm8k", data_dir="/d")) == {}
+    assert data_changes({"data": {"level": "level1"}}, DataConfig(name="gsm8k", data_dir="/d")) \
+        == {"data.name": ("arithmetic", "gsm8k"), "data.data_dir": (None, "/d"),
+            "data.level": ("level1", "mixed")}  # fmt: skip
 
 
 def test_a_resume_follows_the_gsm8k_files_content_not_their_path(tmp_path):

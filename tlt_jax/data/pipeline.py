@@ -377,29 +377,25 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.name not in DATASET_NAMES:
-            raise ValueError(f"DataConfig.name={self.name!r} is not one of {DATASET_NAMES}")
+            raise ValueError(f"data.name={self.name!r} is not one of {DATASET_NAMES}")
         if self.name == "gsm8k" and not self.data_dir:
             raise ValueError(
-                f"DataConfig.data_dir={self.data_dir!r}: gsm8k needs the folder with "
+                f"data.data_dir={self.data_dir!r}: gsm8k needs the folder with "
                 f"{' and '.join(gsm8k.SPLIT_FILES.values())}; set {gsm8k.DATA_DIR_FLAG}"
             )
         if self.level not in arithmetic.LEVEL_NAMES:
-            raise ValueError(
-                f"DataConfig.level={self.level!r} is not one of {arithmetic.LEVEL_NAMES}"
-            )
+            raise ValueError(f"data.level={self.level!r} is not one of {arithmetic.LEVEL_NAMES}")
         for field in ("num_train", "num_test"):
             if getattr(self, field) < 1:
-                raise ValueError(f"DataConfig.{field}={getattr(self, field)} must be >= 1")
+                raise ValueError(f"data.{field}={getattr(self, field)} must be >= 1")
         if self.seed < 0:
-            raise ValueError(f"DataConfig.seed={self.seed} must be >= 0")
+            raise ValueError(f"data.seed={self.seed} must be >= 0")
         for field in ("train_split", "eval_split"):
             if getattr(self, field) not in SPLITS:
-                raise ValueError(
-                    f"DataConfig.{field}={getattr(self, field)!r} is not one of {SPLITS}"
-                )
+                raise ValueError(f"data.{field}={getattr(self, field)!r} is not one of {SPLITS}")
         if self.eval_split == self.train_split:
             raise ValueError(
-                f"DataConfig.eval_split={self.eval_split!r} is the train split: evaluation "
+                f"data.eval_split={self.eval_split!r} is the train split: evaluation "
                 f"reads held-out problems; expected another of {SPLITS}"
             )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import numbers
 from typing import Any
 
 import ml_collections
@@ -74,6 +75,11 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _is_int(value: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _positive_int(group: str, name: str, value: Any, minimum: int = 1) -> None:
     _require(
         isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
@@ -114,7 +120,12 @@ class ModelSettings:
     init_seed: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "mesh_shape", tuple(int(s) for s in self.mesh_shape))
+        shape = tuple(self.mesh_shape)
+        _require(
+            len(shape) == 2 and all(_is_int(s) and s >= 1 for s in shape),
+            f"model.mesh_shape={self.mesh_shape!r} must be two positive integers (data, tensor)",
+        )
+        object.__setattr__(self, "mesh_shape", tuple(int(s) for s in shape))
         _require(
             bool(self.name) != bool(self.preset),
             f"model.name={self.name!r} and model.preset={self.preset!r}: set exactly one "
@@ -136,10 +147,6 @@ class ModelSettings:
                 value == "" or value in DTYPES,
                 f"model.{name}={value!r} is not one of {['', *DTYPES]} ('' keeps the model's)",
             )
-        _require(
-            len(self.mesh_shape) == 2 and all(s >= 1 for s in self.mesh_shape),
-            f"model.mesh_shape={self.mesh_shape!r} must be two positive sizes (data, tensor)",
-        )
         _positive_int("model", "init_seed", self.init_seed, minimum=0)
         _require(self.init_seed < 2**32, f"model.init_seed={self.init_seed} must be < 2**32 "
                  "(JAX's keys take 32 bits: larger seeds alias smaller ones)")  # fmt: skip
@@ -478,6 +485,9 @@ class CheckpointConfig:
 
 # Where TFDS caches what it builds: moving it changes no prompt.
 _DATA_FIELDS_NOT_COMPARED = ("cache_dir",)
+# Fields only one dataset reads: a change matters only where either run read that dataset.
+_DATA_FIELDS_OF = {"data_dir": "gsm8k", "level": "arithmetic", "num_train": "arithmetic",
+                   "num_test": "arithmetic"}  # fmt: skip
 
 
 def data_changes(stored: dict[str, Any], data: DataConfig) -> dict[str, tuple[Any, Any]]:
@@ -487,7 +497,9 @@ def data_changes(stored: dict[str, Any], data: DataConfig) -> dict[str, tuple[An
     Args:
       stored: the checkpoint's `TrainConfig.to_dict()`. A field it lacks (written before the
         field existed) counts as its default, which the run then had; a checkpoint with no
-        `data` group at all (not written by a run) has nothing to compare.
+        `data` group at all (not written by a run) has nothing to compare. A field only one
+        dataset reads (`data.level` for arithmetic, `data.data_dir` for gsm8k) is compared
+        only where either run used that dataset.
     """
     if "data" not in stored:
         return {}
@@ -496,6 +508,9 @@ def data_changes(stored: dict[str, Any], data: DataConfig) -> dict[str, tuple[An
     for field in dataclasses.fields(DataConfig):
         if field.name in _DATA_FIELDS_NOT_COMPARED:
             continue
+        owner = _DATA_FIELDS_OF.get(field.name)
+        if owner is not None and owner not in (before.get("name", DataConfig.name), data.name):
+            continue  # e.g. `data.level` of two gsm8k runs: neither read it
         old = before.get(field.name, field.default)
         new = getattr(data, field.name)
         if old != new:
