@@ -57,6 +57,13 @@ def _stop(procs, grace_s: float = 10.0) -> None:
             proc.kill()
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def main(argv):
     command = argv[1:]
     if command and command[0] == "--":
@@ -103,9 +110,11 @@ def main(argv):
                 continue
             pending.discard(i)
             if code and not status:
-                status = code
-                print(f"[launch_local] process {i} exited with {code}; stopping the others",
-                      flush=True)  # fmt: skip
+                # A process killed by a signal exits as a shell reports it (128 + N), not
+                # Popen's -N, which sys.exit would wrap to 256 - N (247 for SIGKILL).
+                status = 128 - code if code < 0 else code
+                how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with {code}"
+                print(f"[launch_local] process {i} {how}; stopping the others", flush=True)
                 _stop([procs[j] for j in pending])
         if pending:
             try:

@@ -37,3 +37,16 @@ def test_launch_local_tells_its_processes_how_they_were_started():
     want = "python scripts/launch_local.py --num_processes=2" + (" --pin_cores" if pin else "")
     lines = [line for line in done.stdout.splitlines() if "LAUNCHER=" in line]
     assert sorted(lines) == [f"[0] LAUNCHER={want}", f"[1] LAUNCHER={want}"]
+
+
+def test_launch_local_exits_as_a_shell_reports_a_killed_process():
+    """A process killed by a signal makes the launcher exit 128 + N (137 for SIGKILL), as a
+    shell reports it; Popen's -N used to reach sys.exit and exit 247."""
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    done = subprocess.run(
+        [sys.executable, "scripts/launch_local.py", "--num_processes=1", "--", sys.executable,
+         "-c", kill],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 137, done.stdout + done.stderr
+    assert "process 0 was killed by SIGKILL" in done.stdout
