@@ -32,10 +32,33 @@ def test_split_groups_and_devices():
     assert [len(p) // 4 for p in parts] == [1, 2, 1]  # whole groups, counts within 1
     assert sorted(i for p in parts for i in p) == list(range(16))
     assert all(p == list(range(p[0], p[0] + len(p))) for p in parts)  # contiguous groups
+    with pytest.raises(ValueError, match="17 requests are not whole groups of group_size=4"):
+        spot.split_groups(requests + requests[:1], 4, 3)
     devices = jax.devices()
     assert spot.split_devices(devices, 2) == [tuple(devices[:4]), tuple(devices[4:])]
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count=3"):
         spot.split_devices(devices, 3)
+
+
+def test_slices_of_several_devices_warn_that_they_use_one(caplog):
+    """8 local devices in 2 slices: each slice decodes and trains on its first device only
+    (this version's slices are one device each); the other 6 used to stay idle unsaid."""
+    from tlt_jax.parallel.distributed import ProcessGroup
+    from tlt_jax.rl.rollout_slices import slice_devices
+
+    n = len(jax.local_devices())
+    config = tiny_config(**{"spot.enabled": True, "spot.slices": 2})
+    with caplog.at_level("WARNING"):
+        groups = slice_devices(config, ProcessGroup())
+    assert [len(g) for g in groups] == [n // 2, n // 2]
+    if n > 2:
+        assert f"so {n - 2} of this process's devices stay unused; set spot.slices={n}" in (
+            caplog.text
+        )
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        slice_devices(tiny_config(**{"spot.enabled": True, "spot.slices": n}), ProcessGroup())
+    assert "stay unused" not in caplog.text
 
 
 def test_spot_config_errors():
@@ -202,6 +225,34 @@ def test_a_trainer_that_stops_on_its_own_has_no_preemption_latency(two_slices):
     combined = spot.combine_rollout_stats([_stats(m)], sliced=True)
     assert combined["spot_preempted_windows"] == 0
     assert "spot_preemption_latency_s" not in combined
+
+
+class _SlowReturn(_Steps):
+    """Runs its steps, then takes `linger` seconds to return without looking at the stop."""
+
+    def __init__(self, applied: list[bool], linger: float):
+        super().__init__(applied)
+        self.linger = linger
+
+    def train_on(self, slice_, stop: threading.Event, on_step) -> int:
+        for ok in self.applied:
+            start = time.perf_counter()
+            time.sleep(self.seconds)
+            on_step(time.perf_counter() - start, ok)
+        time.sleep(self.linger)  # e.g. writing back its state
+        return sum(self.applied)
+
+
+def test_a_trainer_still_returning_at_the_rollouts_end_was_not_preempted(two_slices):
+    """Its loop ended on its own before the rollout did; it was still returning when the stop
+    came. It counted as preempted (it was alive), with its clean-up as the latency."""
+    slices = [two_slices[0], RolloutSlice(1, two_slices[1].devices,
+                                          _Straggler(two_slices[1].engine, 0.3))]  # fmt: skip
+    trainable = _SlowReturn([True, True], linger=1.0)
+    _, report = SpotScheduler(slices, trainable).rollout([_requests(1, 2), _requests(1, 3)])
+    assert report.drafter_steps == 2
+    assert report.preemption_latency_s is None
+    assert report.metrics()["spot_preempted_windows"] == 0
 
 
 def test_dropped_drafter_steps_are_not_reclaimed_idle_time(two_slices):
@@ -451,6 +502,12 @@ def test_a_drafter_run_that_fails_midway_keeps_the_steps_it_applied():
     assert online.steps == 2 and online.failures == 1
     metrics = online.publish()
     assert metrics["drafter_version"] == 1 and metrics["drafter_steps"] == 2
+    # A copy onto the slice that fails (before any step) is a failed run too; it was not
+    # counted in `drafter_failures` (the copies ran before the run's error handling).
+    with pytest.raises(ValueError, match="not a device"):
+        online.train_on("not a device", model.embed.get_value(), model.head_weight_DxV(),
+                        threading.Event(), max_steps=5)  # fmt: skip
+    assert online.failures == 2 and online.steps == 2
 
 
 def test_online_hot_vocabulary_keeps_the_warm_ups_ids_the_counts_cannot_rank():

@@ -182,13 +182,14 @@ class OnlineDrafter:
             raise ValueError(f"max_consecutive_drops={max_consecutive_drops} must be >= 1")
         device = devices[0] if isinstance(devices, (list, tuple)) else devices
         with self._lock:
-            state = jax.device_put(self.state, device)
-            embed = jax.device_put(embed_VxD, device)
-            head = jax.device_put(head_DxV, device)
-            if self.hot_ids is not None:  # the columns the engines draft with
-                head = jnp.take(head, jax.device_put(self.hot_ids, device), axis=1)
+            state = self.state
             done = dropped = in_a_row = 0
-            try:
+            try:  # copies onto the slice included: a failed one is a failed run too
+                state = jax.device_put(state, device)
+                embed = jax.device_put(embed_VxD, device)
+                head = jax.device_put(head_DxV, device)
+                if self.hot_ids is not None:  # the columns the engines draft with
+                    head = jnp.take(head, jax.device_put(self.hot_ids, device), axis=1)
                 while not stop.is_set() and (max_steps == 0 or done < max_steps):
                     batch = self.buffer.sample_batch(self._rng, self.config.batch_rows,
                                                      self.config.row_len)  # fmt: skip

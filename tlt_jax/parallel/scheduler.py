@@ -18,8 +18,9 @@ devices only.
 
 Preemption is cooperative: when the last slice finishes, the scheduler sets the trainer's stop
 event and waits; the trainer checks it between steps, so the latency is at most one drafter
-step (`SpotReport.preemption_latency_s` measures it, for a trainer still running at the
-rollout's end: one that stopped on its own, out of data or steps, was not preempted). The
+step (`SpotReport.preemption_latency_s` measures it, from the stop to the trainer's end, for
+a trainer whose check found the stop set: one that stopped on its own, out of data or steps,
+was not preempted, even if it was still returning at the rollout's end). The
 trainer reports each step's seconds and whether it was applied: only applied steps count as
 reclaimed idle time, dropped (non-finite) ones are counted apart. A trainer that raises is
 logged and counted (`trainer_failures`); the rollout is unaffected and the drafter keeps its
@@ -69,6 +70,26 @@ class RolloutSlice:
         return jax.default_device(self.devices[0])
 
 
+class _StopSignal(threading.Event):
+    """The preemption signal, remembering whether the trainer saw it: a trainer is preempted
+    when its `is_set()` check returns True, not when it merely is still running at the
+    rollout's end (one that ended its loop on its own, out of data or steps, and is still
+    returning then was counted as preempted, with a latency of its clean-up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.heeded = False
+
+    def is_set(self) -> bool:
+        seen = super().is_set()
+        self.heeded = self.heeded or seen
+        return seen
+
+    def requested(self) -> bool:
+        """Whether it is set, asked by the scheduler (not the trainer heeding it)."""
+        return super().is_set()
+
+
 class SpotTrainable(Protocol):
     """What the scheduler trains on an idle slice (`tlt_jax.rl.spot.SpotTrainer`).
 
@@ -83,9 +104,10 @@ class SpotTrainable(Protocol):
     def ready(self) -> bool: ...
 
     def train_on(self, slice_: RolloutSlice, stop: threading.Event, on_step) -> int:
-        """Drafter steps on `slice_` until `stop` is set; calls `on_step(seconds, applied)`
-        after each step (`applied=False`: dropped, e.g. non-finite); returns the steps
-        applied."""
+        """Drafter steps on `slice_` until `stop` is set (checked with `stop.is_set()` before
+        each step: a check that finds it set is the preemption); calls `on_step(seconds,
+        applied)` after each step (`applied=False`: dropped, e.g. non-finite); returns the
+        steps applied."""
         ...
 
 
@@ -233,9 +255,10 @@ class SpotScheduler:
             t.start()
         finish = [0.0] * len(self.slices)
         report = SpotReport(0.0, finish, [], start_wall=start_wall)
-        stop = threading.Event()
+        stop = _StopSignal()
         trainer: threading.Thread | None = None
         train_span = [0.0, 0.0]
+        stop_at = 0.0  # when the rollout's end set `stop` (seconds from `start`)
 
         # `stop` preempts a trainer when the rollout ends; `abort` when it fails (the only
         # stop an exact-steps trainer heeds).
@@ -278,7 +301,7 @@ class SpotScheduler:
                     group.set(f"done/{step}", {"failed": any(e is not None for e in errors)})
                 busy_elsewhere = remaining > 0 or (multi and not _all_done(group, step))
                 if (busy_elsewhere and trainer is None and self.trainable is not None
-                        and not stop.is_set() and self.trainable.ready()
+                        and not stop.requested() and self.trainable.ready()
                         and (group is None or group.claim(f"trainer/{step}"))):  # fmt: skip
                     self.slices[i].state = SliceState.TRAINING
                     report.trainer_slice = i
@@ -294,10 +317,11 @@ class SpotScheduler:
             if multi:  # idle time counts from when the run's last process started
                 last = max(group.wait_for(f"start/{step}", p) for p in range(group.count))
                 report.window_start_s = min(max(0.0, last - start_wall), report.rollout_s)
-            # Preempted: a trainer still running when the stop comes, and one that heeds it.
-            preempted = (
-                trainer is not None and trainer.is_alive() and not self.trainable.exact_steps
-            )
+            # Preempted: a trainer that heeds the stop (`_StopSignal.heeded`, read once it has
+            # ended); the latency runs from here, where the stop is set (after the waits for
+            # the run's processes, which are no trainer's doing).
+            may_preempt = trainer is not None and not self.trainable.exact_steps
+            stop_at = time.perf_counter() - start
             stop.set()
             if peers_failed:
                 abort.set()
@@ -314,8 +338,8 @@ class SpotScheduler:
                 trainer.join()
                 # Training inside the idle window; what ran past the rollout's end is the latency.
                 report.training_s = max(0.0, min(train_span[1], report.rollout_s) - train_span[0])
-                if preempted:
-                    report.preemption_latency_s = max(0.0, train_span[1] - report.rollout_s)
+                if may_preempt and stop.heeded:
+                    report.preemption_latency_s = max(0.0, train_span[1] - stop_at)
             for t in threads:
                 t.join()
             for s in self.slices:

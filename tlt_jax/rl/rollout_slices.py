@@ -51,7 +51,14 @@ def slice_devices(config: TrainConfig, group: ProcessGroup) -> list[tuple] | Non
         raise ValueError(f"spot.slices={cfg.spot.slices} must be a multiple of the number of "
                          f"processes ({group.count}): every process runs the same number of "
                          "slices")  # fmt: skip
-    return spot_lib.split_devices(jax.local_devices(), cfg.spot.slices // group.count)
+    groups = spot_lib.split_devices(jax.local_devices(), cfg.spot.slices // group.count)
+    if len(groups[0]) > 1:
+        log.warning("spot.slices=%d on %d process(es) of %d local devices: a slice runs on its "
+                    "first device only in this version, so %d of this process's devices stay "
+                    "unused; set spot.slices=%d to use them all", cfg.spot.slices, group.count,
+                    len(jax.local_devices()), len(groups) * (len(groups[0]) - 1),
+                    len(jax.local_devices()) * group.count)  # fmt: skip
+    return groups
 
 
 class RolloutSlices:

@@ -178,7 +178,15 @@ def build_slices(build_engine, model, devices_per_slice: Sequence[tuple[Any, ...
 
 def split_groups(requests: Sequence[Request], group_size: int, count: int
                  ) -> list[list[int]]:  # fmt: skip
-    """Request indices per slice: whole groups, contiguous, prompt counts differing by <= 1."""
+    """Request indices per slice: whole groups, contiguous, prompt counts differing by <= 1.
+
+    Raises:
+      ValueError: when the requests are not whole groups (a trailing part would be decoded
+        by no slice and its completions missing).
+    """
+    if group_size < 1 or len(requests) % group_size:
+        raise ValueError(f"split_groups: {len(requests)} requests are not whole groups of "
+                         f"group_size={group_size}")  # fmt: skip
     groups = len(requests) // group_size
     bounds = np.linspace(0, groups, count + 1).round().astype(int)
     return [list(range(bounds[i] * group_size, bounds[i + 1] * group_size))
