@@ -15,7 +15,7 @@ from flax import nnx
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import init_model
 from tlt_jax.rollout.acceptance import accept_tree
-from tlt_jax.rollout.draft_tree import DraftTree
+from tlt_jax.rollout.draft_tree import Candidates, DraftTree, build_tree, tree_node_scores
 from tlt_jax.rollout.ngram import NgramIndex, empty_tree, merge_into_tree, validate_tree
 
 
@@ -418,6 +418,54 @@ def test_merge_into_tree_by_hand():
     same = merge_into_tree(eagle, ngram_chain(5, [1, 3]))
     for x, y in zip(same, eagle, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_hybrid_drops_the_eagle_leaf_the_drafter_ranks_lowest():
+    """topk = 2, depth 2: the kept EAGLE nodes are 5 (-0.1), 6 (-3.0) at the root, 7 (-0.2)
+    and 8 (-0.5) under 5. A 1-node n-gram extension needs a slot: by index the best-scored
+    deep leaf (8) was dropped; by the drafter's ranks the shallow unlikely one (6) is."""
+    candidates = Candidates(
+        tokens_BxC=jnp.array([[5, 6, 7, 8, 9, 4]], jnp.int32),
+        scores_BxC=jnp.array([[-0.1, -3.0, -0.2, -0.5, -3.1, -3.2]]),
+        parents_BxC=jnp.array([[-1, -1, 0, 0, 1, 1]], jnp.int32),
+    )
+    tree = build_tree(candidates, jnp.array([1]), jnp.array([10]), verify_tokens=5, max_depth=2)
+    assert paths(tree) == [(5,), (6,), (5, 7), (5, 8)]
+    scores = tree_node_scores(tree, candidates)
+    np.testing.assert_allclose(scores, [[np.inf, -0.1, -3.0, -0.2, -0.5]], rtol=1e-6)
+    chain = ngram_chain(1, [5, 3])  # 5 is shared, 3 is new under it
+    by_index = merge_into_tree(tree, chain)
+    assert paths(by_index) == [(5,), (6,), (5, 7), (5, 3)]
+    by_score = merge_into_tree(tree, chain, eagle_scores_BxT=scores)
+    assert paths(by_score) == [(5,), (5, 7), (5, 8), (5, 3)]
+
+
+@pytest.mark.parametrize("monotone", [True, False])
+def test_tree_node_scores_are_the_ranks_build_tree_kept(monotone):
+    """Each node's score is its candidate's score capped by its ancestors' (NaN as -inf), as
+    `build_tree` ranks them: the nodes' scores are the T - 1 best capped candidate scores."""
+    from test_sampling_fixes import random_candidates
+
+    rng = np.random.default_rng(7)
+    topk, depth, t = 3, 3, 8
+    candidates = random_candidates(rng, 16, topk, depth, vocab=topk + 2, nan_share=0.2,
+                                   monotone=monotone)  # fmt: skip
+    tree = build_tree(candidates, jnp.zeros(16, jnp.int32), jnp.zeros(16, jnp.int32),
+                      verify_tokens=t, max_depth=depth)  # fmt: skip
+    scores = tree_node_scores(tree, candidates)
+    own = np.asarray(candidates.scores_BxC, np.float64)
+    own = np.where(np.isnan(own), -np.inf, own)
+    parents = np.asarray(candidates.parents_BxC)
+    capped = own.copy()
+    for c in range(own.shape[1]):  # parents precede children
+        has = parents[:, c] >= 0
+        capped[has, c] = np.minimum(own[has, c], capped[has, parents[has, c]])
+    assert np.all(scores[:, 0] == np.inf)
+    np.testing.assert_allclose(np.sort(scores[:, 1:], axis=1),
+                               np.sort(capped, axis=1)[:, -(t - 1):], rtol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="no candidate of its parent's"):
+        other = tree._replace(tokens_BxT=tree.tokens_BxT.at[0, 1].set(99))
+        tree_node_scores(other, candidates)
 
 
 def ngram_chain(root, chain) -> DraftTree:

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decode import DecodeCache
@@ -298,3 +299,43 @@ def build_tree(
         positions_BxT=lengths_B[:, None] + depth,
         mask_BxTxT=mask,
     )
+
+
+def tree_node_scores(tree, candidates) -> np.ndarray:
+    """The rank `build_tree` kept each tree node by: its candidate's score capped by every
+    ancestor's (NaN read as -inf), [B, T] float64 on the host; +inf for the root (never
+    dropped) and -inf for padding nodes.
+
+    For ranking EAGLE nodes outside the program, e.g. `ngram.merge_into_tree`'s choice of
+    leaves to drop (by index, a shallow low-scoring leaf outlived a deeper better one when
+    topk > 1). A node is matched to its candidate by (parent's candidate, token): siblings'
+    tokens are distinct (the drafter's top-k), so the match is unique.
+
+    Args:
+      tree: a `DraftTree` of `candidates` (host or device arrays).
+      candidates: the `Candidates` it was built from.
+    """
+    tokens, parents = np.asarray(tree[0]), np.asarray(tree[1])
+    c_tokens = np.asarray(candidates.tokens_BxC)
+    c_scores = np.asarray(candidates.scores_BxC, np.float64)
+    c_parents = np.asarray(candidates.parents_BxC)
+    b, t = tokens.shape
+    out = np.full((b, t), -np.inf)
+    out[:, 0] = np.inf
+    for i in range(b):
+        pairs = zip(c_parents[i].tolist(), c_tokens[i].tolist(), strict=True)
+        which = {pair: c for c, pair in enumerate(pairs)}
+        cand_of = {0: -1}  # the root's children have parent candidate -1
+        for j in range(1, t):
+            parent = int(parents[i, j])
+            if parent < 0 or parent not in cand_of:  # padding (detached)
+                continue
+            c = which.get((cand_of[parent], int(tokens[i, j])))
+            if c is None:
+                raise ValueError(f"tree_node_scores: row {i} node {j} (token {int(tokens[i, j])})"
+                                 " is no candidate of its parent's: not a tree of these "
+                                 "candidates")  # fmt: skip
+            cand_of[j] = c
+            own = c_scores[i, c] if not np.isnan(c_scores[i, c]) else -np.inf
+            out[i, j] = min(own, out[i, parent])
+    return out

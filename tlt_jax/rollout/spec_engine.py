@@ -32,7 +32,7 @@ from tlt_jax.models.decode import DecodeCache
 from tlt_jax.models.transformer import ATTENTION_IMPLS
 from tlt_jax.rollout import speculative
 from tlt_jax.rollout.adaptive import StepChoice
-from tlt_jax.rollout.draft_tree import DraftTree
+from tlt_jax.rollout.draft_tree import DraftTree, tree_node_scores
 from tlt_jax.rollout.sampling import needs_filtering
 from tlt_jax.rollout.speculative import SpecStrategy, draft_length, without_caches
 
@@ -146,9 +146,10 @@ class SpecRunner:
         strategy = choice.strategy
         k, d, t = strategy.topk, strategy.depth, strategy.verify_tokens
         if choice.needs_drafter:
-            tree = self._eagle_tree(params, drafter_params, hot, state, b, s, strategy)
+            tree, candidates = self._eagle_tree(params, drafter_params, hot, state, b, s,
+                                                strategy)  # fmt: skip
             if choice.source == "hybrid":
-                tree = self._hybrid_tree(tree, running, t, d, k)
+                tree = self._hybrid_tree(tree, candidates, running, t, d, k)
         else:
             tree = self._ngram_tree(running, b, t, d, k)
         greedy = all(r.request.sampling.greedy for r in running)
@@ -217,7 +218,8 @@ class SpecRunner:
             start += n
         return state.replace(cache=DecodeCache.joined(blocks)), tokens, logprobs, counts
 
-    def _eagle_tree(self, params, drafter_params, hot, state, b, s, strategy) -> DraftTree:
+    def _eagle_tree(self, params, drafter_params, hot, state, b, s, strategy):
+        """The EAGLE tree of the running slots, and the candidates it was built from."""
         k, d, t = strategy.topk, strategy.depth, strategy.verify_tokens
         ids, head = (None, None) if hot is None else hot
         if ids is not None and ids.shape[0] < k:
@@ -232,7 +234,7 @@ class SpecRunner:
         candidates = self._program(key, draft_fn, *args)(*args)
         tree_fn = functools.partial(speculative.tree_program, batch=b, verify_tokens=t, depth=d)
         args = (candidates, state.last_token, state.lengths)
-        return self._program(("spec_tree", b, k, d, t), tree_fn, *args)(*args)
+        return self._program(("spec_tree", b, k, d, t), tree_fn, *args)(*args), candidates
 
     def _rows(self, running: list, b: int):
         ids = [r.index for r in running]
@@ -249,15 +251,25 @@ class SpecRunner:
                                           verify_tokens=t, depth=d, topk=k)  # fmt: skip
         return _padded_tree(arrays, b, lengths, last)
 
-    def _hybrid_tree(self, tree: DraftTree, running: list, t: int, d: int, k: int) -> DraftTree:
+    def _hybrid_tree(self, tree: DraftTree, candidates, running: list, t: int, d: int,
+                     k: int) -> DraftTree:  # fmt: skip
+        """The n-gram chains merged into the EAGLE tree; the EAGLE leaves dropped for them are
+        the lowest-ranked by the drafter's scores (with topk = 1 the tree is a chain and its
+        index order is its score order, so the scores are not fetched)."""
         from tlt_jax.rollout.ngram import merge_into_tree
 
         n = len(running)
         ids, lengths, last = self._rows(running, tree.tokens_BxT.shape[0])
         host = [np.array(x) for x in jax.device_get(tuple(tree))]
+        scores = None
+        if k > 1:
+            rows = jax.device_get(candidates)
+            scores = tree_node_scores([x[:n] for x in host[:2]],
+                                      type(rows)(*(x[:n] for x in rows)))  # fmt: skip
         chains = self.ngram.propose_batch(ids, lengths[:n], last[:n], verify_tokens=t,
                                           depth=d, topk=1)  # fmt: skip
-        merged = merge_into_tree(tuple(x[:n] for x in host), chains, verify_tokens=t)
+        merged = merge_into_tree(tuple(x[:n] for x in host), chains, verify_tokens=t,
+                                 eagle_scores_BxT=scores)  # fmt: skip
         for full, part in zip(host, merged, strict=True):
             full[:n] = part
         return DraftTree(*(jnp.asarray(x) for x in host))
