@@ -290,11 +290,42 @@ def test_paired_difference_hand_computed():
     before = result([True, False, False, True, False])
     after = result([True, True, True, False, False])
     paired = evaluation.paired_difference(before, after)
-    # gained 2, lost 1: diff 1/5, se sqrt(3 - 1/5) / 5.
+    # gained 2, lost 1: differences (0, 1, 1, -1, 0), diff 1/5; their sample variance
+    # (3 - 5 * 0.2^2) / 4 = 0.7, se sqrt(0.7 / 5) (it divided by n, not n - 1).
     assert paired["gained"] == 2 and paired["lost"] == 1
     assert paired["diff"] == pytest.approx(0.2)
-    assert paired["stderr"] == pytest.approx(math.sqrt(2.8) / 5)
+    assert paired["stderr"] == pytest.approx(math.sqrt(0.7 / 5))
+    assert paired["stderr"] == pytest.approx(np.std([0, 1, 1, -1, 0], ddof=1) / math.sqrt(5))
+    one = evaluation.paired_difference(result([True]), result([False]))
+    assert one["diff"] == -1.0 and math.isnan(one["stderr"])
     assert evaluation.binomial_stderr(0.5, 100) == pytest.approx(0.05)
+
+
+def test_the_report_gives_the_runs_ratios_not_means_of_the_steps():
+    """Two steps with 1 of 100 and 9 of 10 tail seconds: the run's tail share is 10 / 110, not
+    (1% + 90%) / 2; the same for the SD share of decode steps, tokens/s and acceptance."""
+    from tlt_jax.rl import run
+
+    records = [
+        {"long_tail_s": 1.0, "rollout_decode_s": 100.0, "long_tail_share": 0.01,
+         "generated_tokens": 1000, "time_rollout": 100.0, "tokens_per_s": 10.0,
+         "sd_steps": 1, "decode_steps": 100, "sd_step_share": 0.01, "sd_threshold": 4,
+         "accept_len_ngram": 1.0, "sd_rows_ngram": 1, "step_time": 100.0},
+        {"long_tail_s": 9.0, "rollout_decode_s": 10.0, "long_tail_share": 0.9,
+         "generated_tokens": 900, "time_rollout": 10.0, "tokens_per_s": 90.0,
+         "sd_steps": 9, "decode_steps": 10, "sd_step_share": 0.9, "sd_threshold": 4,
+         "accept_len_ngram": 3.0, "sd_rows_ngram": 9, "step_time": 10.0},
+    ]  # fmt: skip
+    table = run.phase_table(records)
+    assert "over the run): 9.1%, 5.0 s/step; generated tokens/s in rollout: 17.3" in table
+    # 10 SD steps of 110 decode steps; acceptance (1 * 1 + 3 * 9) / 10 rows.
+    assert "SD in 9.1% of decode steps (10 steps); acceptance length ngram 2.80;" in table
+    # Records written before the sums were recorded: the steps' mean, as before.
+    newer = ("decode_steps", "sd_rows_ngram", "generated_tokens")
+    old = [{k: v for k, v in r.items() if k not in newer} for r in records]
+    table = run.phase_table(old)
+    assert "rollout: 50.0" in table and "SD in 45.5% of decode steps" in table
+    assert "ngram 2.00" in table
 
 
 class RecordingSink:

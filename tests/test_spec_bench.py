@@ -28,6 +28,11 @@ def test_median_step_ms_by_hand():
     assert timing.median_step_ms(timeline, 2) == pytest.approx(200.0)  # first step skipped
     assert timing.median_step_ms(timeline, 1) == pytest.approx(100.0)
     assert timing.median_step_ms(timeline) == pytest.approx(200.0)  # 200, 100, 200
+    # Two steps: the second (the first followed prefill and took 5 s; it was kept).
+    assert timing.median_step_ms([(5.0, 8), (5.1, 8)]) == pytest.approx(100.0)
+    assert timing.median_step_ms([(5.0, 8)]) == pytest.approx(5000.0)  # the only one
+    with pytest.raises(ValueError, match="no decode step with batch=3"):
+        timing.median_step_ms(timeline, 3)
 
 
 def test_spread_by_hand():

@@ -103,11 +103,21 @@ def merge_timelines(timelines: Sequence[Sequence[tuple]]) -> list[tuple[float, i
 
 def median_step_ms(timeline: Sequence[tuple], batch: int | None = None) -> float:
     """Median milliseconds of a rollout's decode steps (those with `batch` running requests;
-    all for None), from `EngineStats.timeline`; the first step, which follows prefill, is
-    skipped when there are more."""
+    all for None), from `EngineStats.timeline`; the rollout's first step, which follows
+    prefill (its time includes it), counts only when no other step qualifies.
+
+    Raises:
+      ValueError: when no step ran `batch` requests (a NaN median used to go on into the
+        caller's figures).
+    """
     times = np.diff([0.0] + [row[0] for row in timeline])
-    ran = [dt for dt, row in zip(times, timeline, strict=True) if batch in (None, row[1])]
-    return 1e3 * float(np.median(ran[1:] if len(ran) > 2 else ran))
+    ran = [(i, dt) for i, (dt, row) in enumerate(zip(times, timeline, strict=True))
+           if batch in (None, row[1])]  # fmt: skip
+    if not ran:
+        raise ValueError(f"median_step_ms: no decode step with batch={batch} running requests "
+                         f"in a timeline of {len(timeline)} steps")  # fmt: skip
+    later = [dt for i, dt in ran if i > 0]
+    return 1e3 * float(np.median(later or [dt for _, dt in ran]))
 
 
 def length_stats(lengths: Sequence[int], prefix: str = "response_len") -> dict[str, float]:

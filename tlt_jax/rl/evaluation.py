@@ -65,7 +65,8 @@ def paired_difference(before: EvalResult, after: EvalResult) -> dict[str, float]
 
     The problems are the same, so the difference's error comes from the discordant pairs only:
     with g problems gained and l lost out of n, diff = (g - l) / n and
-    se = sqrt(g + l - (g - l)^2 / n) / n (the sample std of per-problem differences over sqrt n).
+    se = sqrt((g + l - (g - l)^2 / n) / (n - 1)) / sqrt(n): the sample std of the per-problem
+    differences (n - 1 in its denominator) over sqrt n; NaN for fewer than 2 problems.
     """
     if before.num_problems != after.num_problems:
         raise ValueError(f"{before.num_problems=} != {after.num_problems=}: not the same problems")
@@ -73,7 +74,8 @@ def paired_difference(before: EvalResult, after: EvalResult) -> dict[str, float]
     n = len(b)
     gained, lost = int(np.sum(a & ~b)), int(np.sum(b & ~a))
     diff = (gained - lost) / n if n else float("nan")
-    se = math.sqrt(max(gained + lost - (gained - lost) ** 2 / n, 0.0)) / n if n else float("nan")
+    se = (math.sqrt(max(gained + lost - (gained - lost) ** 2 / n, 0.0) / (n - 1) / n)
+          if n > 1 else float("nan"))  # fmt: skip
     return {"diff": diff, "stderr": se, "gained": gained, "lost": lost, "n": n}
 
 

@@ -124,30 +124,54 @@ def phase_table(records: list[dict[str, Any]]) -> str:
         lines.append(f"{name:<9}{np.mean(values):>12.2f}{sum(values):>10.1f}"
                      f"{sum(values) / step_total:>8.1%}")  # fmt: skip
 
-    def mean(key: str) -> float:
-        return float(np.mean([float(r.get(key, 0.0)) for r in records]))
-
     threshold = int(records[-1].get("sd_threshold", 0))
-    lines.append(f"rollout long tail (decode time with <= {threshold} requests running): "
-                 f"{mean('long_tail_share'):.1%}, {mean('long_tail_s'):.1f} s/step; generated "
-                 f"tokens/s in rollout: {mean('tokens_per_s'):.1f}")  # fmt: skip
+    tail_share = _pooled(records, "long_tail_s", "rollout_decode_s", "long_tail_share")
+    tokens_per_s = _pooled(records, "generated_tokens", "time_rollout", "tokens_per_s")
+    tail_s = float(np.mean([float(r.get("long_tail_s", 0.0)) for r in records]))
+    lines.append(f"rollout long tail (decode time with <= {threshold} requests running, over "
+                 f"the run): {tail_share:.1%}, {tail_s:.1f} s/step; generated tokens/s in "
+                 f"rollout: {tokens_per_s:.1f}")  # fmt: skip
     lines.append(tlt_summary(records))
     return "\n".join(lines)
 
 
+def _pooled(records: list[dict[str, Any]], numerator: str, denominator: str,
+            per_step: str) -> float:  # fmt: skip
+    """The run's ratio sum(numerator) / sum(denominator) over the records (a step of 1 s
+    weighs as its 1 s, not as much as one of 100 s); the mean of the steps' own `per_step`
+    ratios where a record lacks either sum's key (written before it was recorded)."""
+    if all(numerator in r and denominator in r for r in records):
+        total = sum(float(r[denominator]) for r in records)
+        return sum(float(r[numerator]) for r in records) / total if total > 0 else 0.0
+    return float(np.mean([float(r.get(per_step, 0.0)) for r in records]))
+
+
+def _accept_len(records: list[dict[str, Any]], source: str) -> float:
+    """The run's tokens per SD row of `source`: the steps' acceptance lengths weighed by their
+    rows (`sd_rows_<source>`; the plain mean for records written before it was recorded)."""
+    key = f"accept_len_{source}"
+    steps = [r for r in records if key in r]
+    weights = [float(r.get(f"sd_rows_{source}", 0.0)) for r in steps]
+    if all(w > 0 for w in weights):
+        return float(np.average([float(r[key]) for r in steps], weights=weights))
+    return float(np.mean([float(r[key]) for r in steps]))
+
+
 def tlt_summary(records: list[dict[str, Any]]) -> str:
-    """What TLT's adaptive rollout did over the records: SD share of decode steps, acceptance
-    length per draft source, tail seconds that ran SD, and the most chosen arms."""
+    """What TLT's adaptive rollout did over the records (the run's ratios, not means of the
+    steps'): SD share of decode steps, acceptance length per draft source, tail seconds that
+    ran SD, and the most chosen arms."""
     sd = sum(int(r.get("sd_steps", 0)) for r in records)
-    share = float(np.mean([float(r.get("sd_step_share", 0.0)) for r in records]))
+    if all("decode_steps" in r for r in records):
+        decode = sum(int(r["decode_steps"]) for r in records)
+        share = sd / decode if decode else 0.0
+    else:  # records written before `decode_steps`
+        share = float(np.mean([float(r.get("sd_step_share", 0.0)) for r in records]))
     if not sd:
         return "TLT: no speculative steps (spec.mode=off, or SD never paid)"
     sources = sorted({k.removeprefix("accept_len_") for r in records for k in r
                       if k.startswith("accept_len_")})  # fmt: skip
-    accept = ", ".join(
-        f"{s} {np.mean([r[f'accept_len_{s}'] for r in records if f'accept_len_{s}' in r]):.2f}"
-        for s in sources
-    )
+    accept = ", ".join(f"{s} {_accept_len(records, s):.2f}" for s in sources)
     choices: dict[str, int] = {}
     for r in records:
         for arm, n in (r.get("sd_choices") or {}).items():
@@ -219,7 +243,7 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
     if before is not None and after is not None and before.num_problems == after.num_problems:
         paired = evaluation.paired_difference(before, after)
         lines.append(
-            f"difference: {paired['diff']:+.3f} +- {paired['stderr']:.3f} (paired, same "
+            f"difference: {paired['diff']:+.3f} +- {paired['stderr']:.3f} (paired, 1 s.e., same "
             f"{paired['n']} problems: {paired['gained']} gained, {paired['lost']} lost)"
         )
     compiled = _compile_summary(workdir, trainer.compiled_before_step)

@@ -266,10 +266,11 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
     spec = sum(s["spec"]["spec"] for s in stats)
     plain = sum(s["spec"]["plain"] for s in stats)
     out.update(sd_step_share=spec / (spec + plain) if spec + plain else 0.0, sd_steps=spec,
-               sd_threshold=stats[0]["spec"]["threshold"])  # fmt: skip
+               decode_steps=spec + plain, sd_threshold=stats[0]["spec"]["threshold"])  # fmt: skip
     for source in sorted({k for s in stats for k in s["spec"]["rows"]}):
         rows = sum(s["spec"]["rows"].get(source, 0) for s in stats)
         if rows:
+            out[f"sd_rows_{source}"] = rows  # what the run's acceptance length weighs by
             out[f"accept_len_{source}"] = sum(s["spec"]["tokens"].get(source, 0)
                                               for s in stats) / rows  # fmt: skip
     choices: dict[str, int] = {}
