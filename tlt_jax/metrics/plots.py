@@ -43,7 +43,10 @@ TIMELINE_FILE = "rollout_timeline.json"  # `save_timeline`'s usual name; its plo
 PLAIN_ARM = "plain"  # == rollout.adaptive.PLAIN; metrics does not import the rollout package
 SOURCE_COLORS = {"eagle": "tab:orange", "ngram": "tab:green", "hybrid": "tab:purple"}
 _TLT_SHARES = ("sd_step_share", "long_tail_share")
-_TLT_SECONDS = ("rollout_decode_s", "long_tail_s", "sd_tail_s")
+_TLT_SECONDS = ("rollout_decode_s", "long_tail_s")  # wall seconds of the run's rollout
+# Summed over rollout slices (SD runs in each slice's own tail): beside each other, not beside
+# the wall seconds, which they exceed with several slices.
+_TLT_SLICE_SECONDS = ("slice_tail_s", "sd_tail_s")
 _ACCEPT_PREFIX = "accept_len_"
 _TEXT_BOX = {"facecolor": "white", "alpha": 0.85, "edgecolor": "none", "pad": 2}
 
@@ -360,7 +363,7 @@ def plot_tlt_vs_plain(records_tlt: Sequence[dict[str, Any]],
 
 def _has_tlt_fields(records: Sequence[dict[str, Any]]) -> bool:
     keys = set().union(*(r.keys() for r in records))
-    return bool(keys & {*_TLT_SHARES, *_TLT_SECONDS, "sd_choices"}) or any(
+    return bool(keys & {*_TLT_SHARES, *_TLT_SECONDS, *_TLT_SLICE_SECONDS, "sd_choices"}) or any(
         k.startswith(_ACCEPT_PREFIX) for k in keys
     )
 
@@ -381,7 +384,12 @@ def _plot_tlt_per_step(records: Sequence[dict[str, Any]], path: Path) -> Path:
         for title, kind, group in (
             ("share", "line", [k for k in _TLT_SHARES if k in keys]),
             ("acceptance length (tokens per SD row)", "accept", accept),
-            ("seconds", "line", [k for k in _TLT_SECONDS if k in keys]),
+            ("seconds (wall)", "line", [k for k in _TLT_SECONDS if k in keys]),
+            (
+                "tail slice-seconds (over slices)",
+                "line",
+                [k for k in _TLT_SLICE_SECONDS if k in keys],
+            ),
             ("arms chosen (decode steps)", "bars", sorted(choices)),
         )
         if group
