@@ -9,7 +9,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 # `host`: the step's wall time outside the timed phases (encoding prompts, the micro-batch
-# plan, the metrics record), so that the phases add up to `step_time`.
+# plan, building the metrics record), so that the phases add up to `step_time`. Writing the
+# record, checkpoints and plots come after the step (`Trainer.between_steps_s`).
 PHASES = ("rollout", "reward", "logprob", "update", "sync", "host")
 
 

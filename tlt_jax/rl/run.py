@@ -251,6 +251,9 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
         lines.append(compiled)
     lines.append("time per phase:")
     lines.append(phase_table(records))
+    if trainer.between_steps_s > 0:
+        lines.append(f"between this process's steps (writing records, checkpoints, plots; "
+                     f"outside step_time): {trainer.between_steps_s:.1f} s")  # fmt: skip
     lines.append(f"plots: {', '.join(str(p) for p in plots) or 'none'}")
     lines.append(f"metrics: {workdir / 'metrics.jsonl'}; tensorboard: {workdir / 'tensorboard'}")
     wall = time.perf_counter() - start

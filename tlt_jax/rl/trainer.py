@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -259,6 +260,7 @@ class Trainer:
         if self.writer is not None:
             self.writer.truncate_after(self.step_count)
         self._nonfinite_streak = 0
+        self.between_steps_s = 0.0  # this process's seconds between steps (`train`)
         self._last_timeline: list = []
         self._after_rollout_s = 0.0
         self._feature_shape_cache: dict = {}
@@ -691,37 +693,46 @@ class Trainer:
             self.precompile()
         while self.step_count < cfg.total_steps:
             record = self.run_step(next(self.iterator))
-            if self.writer is not None:
-                self.writer.write(record)
-            records.append(record)
-            step = record["step"]
-            log.info("step %d: %s", step, _summary(record))
-            if record["skipped"]:
-                self._nonfinite_streak += 1
-                log.warning("step %d: non-finite update (loss %s, grad_norm %s); skipped (%d in a "
-                            "row)", step, record["loss"], record["grad_norm"],
-                            self._nonfinite_streak)  # fmt: skip
-                if self._nonfinite_streak >= cfg.rl.max_nonfinite_steps:
-                    self.checkpointer.wait()
-                    raise NonFiniteLossError(
-                        f"{self._nonfinite_streak} consecutive non-finite updates (step {step}); "
-                        f"stopping. Latest checkpoint: step {self.checkpointer.latest_step()} in "
-                        f"{self.checkpointer.directory}"
-                    )
-                if step == cfg.total_steps and self._params_finite():
-                    # A skipped update left the last finite weights: keep the steps since the
-                    # last checkpoint (the run ends here, so nothing else would save them).
-                    self.save()
-                continue
-            self._nonfinite_streak = 0
-            if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
-                self.save()
-            if step % cfg.plot_every == 0 or step == cfg.total_steps:
-                self.plot()
+            ended = time.perf_counter()
+            try:
+                self._after_step(record, records)
+            finally:  # outside `step_time`: writing the record, checkpoints, plots
+                self.between_steps_s += time.perf_counter() - ended
         self.checkpointer.wait()
         if records and cfg.spot.export and self.online is not None and self.group.is_primary:
             log.info("drafter exported to %s", self.export_drafter())
         return records
+
+    def _after_step(self, record: dict[str, Any], records: list[dict[str, Any]]) -> None:
+        """Writes and logs a step's record, checkpoints and plots at their intervals."""
+        cfg = self.config
+        if self.writer is not None:
+            self.writer.write(record)
+        records.append(record)
+        step = record["step"]
+        log.info("step %d: %s", step, _summary(record))
+        if record["skipped"]:
+            self._nonfinite_streak += 1
+            log.warning("step %d: non-finite update (loss %s, grad_norm %s); skipped (%d in a "
+                        "row)", step, record["loss"], record["grad_norm"],
+                        self._nonfinite_streak)  # fmt: skip
+            if self._nonfinite_streak >= cfg.rl.max_nonfinite_steps:
+                self.checkpointer.wait()
+                raise NonFiniteLossError(
+                    f"{self._nonfinite_streak} consecutive non-finite updates (step {step}); "
+                    f"stopping. Latest checkpoint: step {self.checkpointer.latest_step()} in "
+                    f"{self.checkpointer.directory}"
+                )
+            if step == cfg.total_steps and self._params_finite():
+                # A skipped update left the last finite weights: keep the steps since the
+                # last checkpoint (the run ends here, so nothing else would save them).
+                self.save()
+            return
+        self._nonfinite_streak = 0
+        if step % cfg.checkpoint_every == 0 or step == cfg.total_steps:
+            self.save()
+        if step % cfg.plot_every == 0 or step == cfg.total_steps:
+            self.plot()
 
     def _params_finite(self) -> bool:
         return bool(jnp.isfinite(optax.global_norm(self.state.params)))
