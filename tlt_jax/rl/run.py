@@ -232,7 +232,7 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
     lines = [f"workdir: {workdir}", f"steps: {trainer.step_count} (config total_steps "
              f"{cfg.total_steps}; {resumed})"]  # fmt: skip
     paired = None
-    split = f"{cfg.data.name}/{cfg.data.level if cfg.data.name == 'arithmetic' else ''}"
+    split = cfg.data.name + (f"/{cfg.data.level}" if cfg.data.name == "arithmetic" else "")
     if before is not None:
         lines.append(f"accuracy before ({split} {cfg.data.eval_split}, greedy): "
                      f"{before.summary()}")  # fmt: skip
