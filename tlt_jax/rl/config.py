@@ -82,7 +82,7 @@ def _is_int(value: Any) -> bool:
 
 def _positive_int(group: str, name: str, value: Any, minimum: int = 1) -> None:
     _require(
-        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        _is_int(value) and value >= minimum,
         f"{group}.{name}={value!r} must be an integer >= {minimum}",
     )
 

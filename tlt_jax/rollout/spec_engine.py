@@ -261,11 +261,7 @@ class SpecRunner:
         n = len(running)
         ids, lengths, last = self._rows(running, tree.tokens_BxT.shape[0])
         host = [np.array(x) for x in jax.device_get(tuple(tree))]
-        scores = None
-        if k > 1:
-            rows = jax.device_get(candidates)
-            scores = tree_node_scores([x[:n] for x in host[:2]],
-                                      type(rows)(*(x[:n] for x in rows)))  # fmt: skip
+        scores = None if k == 1 else tree_node_scores(host, jax.device_get(candidates))[:n]
         chains = self.ngram.propose_batch(ids, lengths[:n], last[:n], verify_tokens=t,
                                           depth=d, topk=1)  # fmt: skip
         merged = merge_into_tree(tuple(x[:n] for x in host), chains, verify_tokens=t,
