@@ -3,10 +3,16 @@ warm-up's config files share."""
 
 from __future__ import annotations
 
+import numbers
 import types
 import typing
 
 from ml_collections import config_dict
+
+
+def is_int(value: typing.Any) -> bool:
+    """An integer (Python's or numpy's), not a bool (True is no size)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def placeholder(cls: type, name: str) -> config_dict.FieldReference:

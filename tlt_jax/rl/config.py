@@ -26,11 +26,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-import numbers
 from typing import Any
 
 import ml_collections
 
+from tlt_jax.config_fields import is_int as _is_int
 from tlt_jax.config_fields import placeholder
 from tlt_jax.data.pipeline import DataConfig
 from tlt_jax.models.config import DTYPES
@@ -73,11 +73,6 @@ def resolve_reward_fn(name: str) -> RewardFunction:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
-
-
-def _is_int(value: Any) -> bool:
-    """An integer (Python's or numpy's), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _positive_int(group: str, name: str, value: Any, minimum: int = 1) -> None:

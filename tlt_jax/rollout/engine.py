@@ -44,7 +44,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +51,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import PartitionSpec
 
+from tlt_jax.config_fields import is_int as _is_int
 from tlt_jax.models.decode import (
     DecodeCache,
     ForwardInputs,
@@ -116,11 +116,6 @@ def bucket_for(value: int, buckets: Sequence[int]) -> int:
         if value <= b:
             return b
     raise ValueError(f"{value=} exceeds the largest bucket {buckets[-1]}")
-
-
-def _is_int(value: Any) -> bool:
-    """An integer, numpy's included, not a bool (True is no size)."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
