@@ -301,6 +301,27 @@ def test_paired_difference_hand_computed():
     assert evaluation.binomial_stderr(0.5, 100) == pytest.approx(0.05)
 
 
+def test_an_accuracy_of_none_or_all_reports_a_wilson_bound_not_a_zero_error():
+    """At 0 of n the binomial error is 0, which claims certainty: the summary gives the 95%
+    Wilson bound instead (reference values: 0 of 96 -> 3.84 / 99.84; 5 of 10 -> [0.2366,
+    0.7634], the textbook example)."""
+    low, high = evaluation.wilson_interval(5, 10)
+    assert (low, high) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+    assert evaluation.wilson_interval(0, 96) == (
+        0.0,
+        pytest.approx(1.959964**2 / (96 + 1.959964**2)),
+    )
+    none = evaluation.EvalResult(0.0, 0.0, 96, 12.0, (False,) * 96, (12,) * 96, 0.0)
+    assert none.summary() == ("0.000 (0 of 96 correct; 95% upper bound 0.038, Wilson) "
+                              "(mean length 12.0 tokens)")  # fmt: skip
+    every = evaluation.EvalResult(1.0, 0.0, 4, 3.0, (True,) * 4, (3,) * 4, 0.0)
+    assert "4 of 4 correct; 95% lower bound 0.510" in every.summary()
+    some = evaluation.EvalResult(0.25, 0.217, 4, 3.0, (True,) + (False,) * 3, (3,) * 4, 0.0)
+    assert some.summary().startswith("0.250 +- 0.217 (n=4,")
+    with pytest.raises(ValueError, match="n=0"):
+        evaluation.wilson_interval(0, 0)
+
+
 def test_the_report_gives_the_runs_ratios_not_means_of_the_steps():
     """Two steps with 1 of 100 and 9 of 10 tail seconds: the run's tail share is 10 / 110, not
     (1% + 90%) / 2; the same for the SD share of decode steps, tokens/s and acceptance."""

@@ -52,12 +52,30 @@ class EvalResult:
         return cls(**{**d, **tuples})
 
     def summary(self) -> str:
-        return (f"{self.accuracy:.3f} +- {self.stderr:.3f} (n={self.num_problems}, "
+        n, acc = self.num_problems, self.accuracy
+        if n and acc in (0.0, 1.0):
+            # The binomial error is 0 here, which says nothing: give the 95% Wilson bound.
+            low, high = wilson_interval(round(acc * n), n)
+            bound = f"95% upper bound {high:.3f}" if acc == 0 else f"95% lower bound {low:.3f}"
+            spread = f"({round(acc * n)} of {n} correct; {bound}, Wilson)"
+            return f"{acc:.3f} {spread} (mean length {self.mean_length:.1f} tokens)"
+        return (f"{acc:.3f} +- {self.stderr:.3f} (n={n}, "
                 f"mean length {self.mean_length:.1f} tokens)")  # fmt: skip
 
 
 def binomial_stderr(accuracy: float, n: int) -> float:
     return math.sqrt(accuracy * (1 - accuracy) / n) if n else float("nan")
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95% at the default `z`): unlike
+    p +- z s.e., it is not empty at 0 or n successes (0 of 96: [0, 0.038])."""
+    if n <= 0:
+        raise ValueError(f"n={n}: expected at least one trial")
+    p, z2 = correct / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def paired_difference(before: EvalResult, after: EvalResult) -> dict[str, float]:
