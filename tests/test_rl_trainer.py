@@ -347,6 +347,10 @@ def test_the_report_gives_the_runs_ratios_not_means_of_the_steps():
     table = run.phase_table(old)
     assert "rollout: 50.0" in table and "SD in 45.5% of decode steps" in table
     assert "ngram 2.00" in table
+    assert "(decode time with <= 4 requests running" in table
+    # A resumed run re-calibrated to another threshold: the line names both, not the last.
+    records[1]["sd_threshold"] = 8
+    assert "(decode time with <= 4-8 (by step) requests running" in run.phase_table(records)
 
 
 class RecordingSink:

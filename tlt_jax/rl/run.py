@@ -124,7 +124,10 @@ def phase_table(records: list[dict[str, Any]]) -> str:
         lines.append(f"{name:<9}{np.mean(values):>12.2f}{sum(values):>10.1f}"
                      f"{sum(values) / step_total:>8.1%}")  # fmt: skip
 
-    threshold = int(records[-1].get("sd_threshold", 0))
+    # Each step counts its tail at its own threshold (a resumed run may be re-calibrated).
+    thresholds = sorted({int(r.get("sd_threshold", 0)) for r in records})
+    threshold = (str(thresholds[0]) if len(thresholds) == 1
+                 else f"{thresholds[0]}-{thresholds[-1]} (by step)")  # fmt: skip
     tail_share = _pooled(records, "long_tail_s", "rollout_decode_s", "long_tail_share")
     tokens_per_s = _pooled(records, "generated_tokens", "time_rollout", "tokens_per_s")
     tail_s = float(np.mean([float(r.get("long_tail_s", 0.0)) for r in records]))
