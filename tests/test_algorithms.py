@@ -28,6 +28,16 @@ def test_grpo_uses_sample_std_and_all_equal_group_is_zero():
     assert not np.any(np.isnan(advantages))
 
 
+def test_grpo_with_eps_zero_keeps_an_all_equal_group_at_zero():
+    """`rl.advantage_eps=0` (pure std scaling) is accepted: an all-equal group must not divide 0
+    by 0 (NaN advantages count as signal, the loss turns NaN and the run stops)."""
+    config = AlgorithmConfig(advantage_eps=0.0)
+    advantages = np.asarray(algorithms.compute_advantages(config, jnp.array(REWARDS_2x4)))
+    a = math.sqrt(3) / 2  # 0.5 / sqrt(1/3), as above, without the eps
+    np.testing.assert_allclose(advantages, [[a, -a, -a, a], [0, 0, 0, 0]], rtol=1e-6)
+    assert not np.any(advantages[1] != 0)
+
+
 def test_grpo_three_member_group():
     # [3, 1, 2]: mean 2, deviations [1, -1, 0], sample variance (1 + 1 + 0) / 2 = 1, std 1.
     # (The population std would be sqrt(2/3) and give +-1.2247 instead.)

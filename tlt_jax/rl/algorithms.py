@@ -54,7 +54,8 @@ def grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
 
     Args:
       rewards_PxG: scalar reward per completion, grouped by prompt.
-      eps: added to the std so the division stays finite.
+      eps: added to the std so the division stays finite (0: pure std scaling; a group of
+        equal rewards still gets exactly 0).
 
     Returns:
       advantages_PxG, float32.
@@ -65,7 +66,9 @@ def grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
     variance_Px1 = jnp.sum(jnp.square(centered_PxG), axis=-1, keepdims=True) / max(
         group_size - 1, 1
     )
-    return centered_PxG / (jnp.sqrt(variance_Px1) + eps)
+    # With eps = 0 an all-equal group would divide 0 by 0: its advantages stay exactly 0.
+    std_Px1 = jnp.sqrt(variance_Px1) + eps
+    return jnp.where(std_Px1 > 0, centered_PxG / jnp.where(std_Px1 > 0, std_Px1, 1.0), 0.0)
 
 
 def dr_grpo_advantages(rewards_PxG: jax.Array, eps: float = 1e-6) -> jax.Array:
