@@ -138,10 +138,24 @@ def test_answers_equal(prediction, gold, expected):
         (r"\boxed{5}\n#### 5", 0.0),
         (r"\boxed{}", 0.0),  # empty
         ("#### ", 0.0),
+        # Markdown headings are no answer marker: one boxed answer is one answer.
+        ("#### Step 1\n3 + 2 = 5\nSo the answer is \\boxed{5}", 1.0),
     ],
 )
 def test_format_reward(text, expected):
     assert rewards.format_reward(text) == expected
+
+
+def test_markdown_headings_are_not_final_answers():
+    """`#### Step 2: Answer` is a markdown heading, not GSM8K's answer line: the answer is the
+    stated one (it used to be 'Step 2: Answer', scoring a correct completion 0)."""
+    text = "#### Step 1: Add the apples\n3 + 2 = 5\n#### Step 2: Answer\nThe answer is 5."
+    assert rewards.extract_answer(text) == "5"
+    assert rewards.extract_final_answer(text) == "5"
+    assert rewards.math_accuracy(text, "5") == 1.0
+    # GSM8K's own marker still wins, mid-text with a number or as the last line.
+    assert rewards.extract_answer("#### Work\nx = 3\n#### 72\nbecause 8 * 9") == "72"
+    assert rewards.extract_answer("#### Work\n3 apples\n#### twelve") == "twelve"
 
 
 def test_score_batch_by_name_with_format_weight():
@@ -182,6 +196,27 @@ def test_score_batch_survives_errors_and_timeouts(caplog):
     assert "failed on 2 of 6 completions" in caplog.text and "bad reward code" in caplog.text
     assert result.num_timeouts == 1
     assert elapsed < 2.0, elapsed  # waited ~0.2 s for the hang, not the 5 s it would take
+
+
+def test_a_timed_out_worker_scores_nothing_after_its_slow_call():
+    """Once its slow call returns, the abandoned worker stops: every completion is scored
+    exactly once (it used to go on through the rest of the batch, calling the reward function
+    again on every completion the fresh worker had scored)."""
+    calls: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def slow_first(completion, answer):
+        with lock:
+            calls[completion] = calls.get(completion, 0) + 1
+        if completion == "slow":
+            time.sleep(0.3)
+        return 1.0
+
+    completions = ["slow", "0", "1", "2", "3", "4"]
+    result = rewards.score_batch(slow_first, completions, ["1"] * 6, timeout_s=0.1)
+    time.sleep(0.5)  # the abandoned worker's call returns meanwhile
+    assert result.num_timeouts == 1
+    assert calls == dict.fromkeys(completions, 1)
 
 
 def test_score_batch_rejects_bad_arguments():

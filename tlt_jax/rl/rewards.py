@@ -65,11 +65,21 @@ def _boxed_contents(text: str) -> list[str]:
 
 
 def _hash_answers(text: str) -> list[str]:
-    """The rest of the line after each `####` (GSM8K style), stripped."""
+    """The rest of the line after each GSM8K-style `####` marker, stripped.
+
+    A marker is a `####` followed by a number, or the text's last non-empty line starting
+    with `####` (a non-numeric final answer). Other `####` lines are markdown headings
+    ("#### Step 2: Answer"), which models write often: no answer, so the later rules apply.
+    """
+    lines = [line for line in text.splitlines() if line.strip()]
     answers = []
-    for line in text.splitlines():
-        if _HASHES in line:
-            answers.append(line.rsplit(_HASHES, 1)[1].strip())
+    for i, line in enumerate(lines):
+        if _HASHES not in line:
+            continue
+        answer = line.rsplit(_HASHES, 1)[1].strip()
+        last = i == len(lines) - 1 and line.lstrip().startswith(_HASHES)
+        if last or parse_number(_clean(answer)) is not None:
+            answers.append(answer)
     return answers
 
 
@@ -190,7 +200,8 @@ def answers_equal(prediction: str | None, gold: str) -> bool:
 def format_reward(text: str) -> float:
     """1.0 if the completion states exactly one final answer, else 0.0.
 
-    Final-answer markers are complete `\\boxed{...}` groups and lines containing `####`. The
+    Final-answer markers are complete `\\boxed{...}` groups and GSM8K `####` answer lines (a
+    markdown `####` heading is none: `_hash_answers`). The
     reward is 1.0 only when there is exactly one marker in all and its content is not empty;
     no marker, an empty `\\boxed{}`, or several answers (even if equal) give 0.0.
     """
@@ -250,10 +261,14 @@ def _score_from(
     start: int,
     format_weight: float,
     results: queue.SimpleQueue,
+    abandoned: threading.Event,
 ) -> None:
     """Worker loop: scores completions[start:] in order, posting (index, status, task, total),
-    the traceback in place of the total for an errored one."""
+    the traceback in place of the total for an errored one; returns once `abandoned` is set
+    (the caller timed it out and a fresh worker scores the rest: it would score them again)."""
     for index in range(start, len(completions)):
+        if abandoned.is_set():
+            return
         try:
             task_reward = float(fn(completions[index], answers[index]))
             if not math.isfinite(task_reward):
@@ -276,8 +291,9 @@ def score_batch(
 
     Timeouts use a daemon worker thread that scores the batch sequentially; the caller waits at
     most `timeout_s` for each completion's result. When one times out, that worker is abandoned
-    (Python cannot kill a thread; it finishes or hangs in the background, and being a daemon it
-    never blocks interpreter exit) and a fresh worker continues with the next completion.
+    (Python cannot kill a thread; its slow call finishes or hangs in the background, and being a
+    daemon it never blocks interpreter exit; it scores nothing after it) and a fresh worker
+    continues with the next completion, so every completion is scored once.
     Why threads rather than a process pool: reward functions are cheap pure Python and GIL
     bound, so parallelism buys nothing; a pool adds process start-up and pickling (lambdas and
     closures fail), and forking a process that has initialised JAX can deadlock. The cost: a
@@ -316,9 +332,10 @@ def score_batch(
     while index < count:
         # A fresh queue per worker, so a late result from an abandoned worker is never read.
         results: queue.SimpleQueue = queue.SimpleQueue()
+        abandoned = threading.Event()
         threading.Thread(
             target=_score_from,
-            args=(fn, completions, answers, index, format_weight, results),
+            args=(fn, completions, answers, index, format_weight, results, abandoned),
             daemon=True,
             name="score_batch",
         ).start()
@@ -328,6 +345,7 @@ def score_batch(
             except queue.Empty:
                 num_timeouts += 1
                 index += 1
+                abandoned.set()  # it stops once its slow call returns
                 break  # abandon this worker; the outer loop starts a new one
             assert done_index == index, (done_index, index)  # one worker posts in order
             if status == _OK:
