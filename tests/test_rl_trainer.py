@@ -322,6 +322,32 @@ def test_an_accuracy_of_none_or_all_reports_a_wilson_bound_not_a_zero_error():
         evaluation.wilson_interval(0, 0)
 
 
+def test_step_metrics_are_token_means_over_the_trained_tokens_of_every_minibatch():
+    """Mini-batch 1 trains 60% of its tokens (entropy sum 0.3, ratios 0.6: token means 0.5
+    and 1.0); mini-batch 2 trains none (its groups are all silent). The step's token means are
+    0.5 and 1.0, not halved by a mini-batch that counted as a 0; its losses are mini-batch
+    values, averaged; a step that trained no token reports NaN token means, not 0."""
+    zero = dict.fromkeys(step_lib.ACCUMULATED_METRICS, 0.0)
+    first = {**zero, "loss": 0.4, "pg_loss": 0.3, "kl": 0.1, "entropy": 0.3,
+             "ratio_mean": 0.6, "clip_fraction": 0.06, "weight": 0.6}  # fmt: skip
+    applied = {"grad_norm": 2.0, "learning_rate": 1e-6, "skipped": 0.0}
+    out = step_lib.combine_minibatch_metrics(
+        [(first, applied), (zero, {**applied, "grad_norm": 0.0})]
+    )
+    assert out["entropy"] == pytest.approx(0.5) and out["ratio_mean"] == pytest.approx(1.0)
+    assert out["clip_fraction"] == pytest.approx(0.1)
+    assert out["loss"] == pytest.approx(0.2) and out["kl"] == pytest.approx(0.05)
+    assert out["grad_norm"] == pytest.approx(1.0) and out["skipped"] == 0.0
+    # Two trained mini-batches: weighted by their trained shares, (0.3 + 0.1) / (0.6 + 0.4).
+    second = {**zero, "entropy": 0.1, "ratio_mean": 0.4, "weight": 0.4}
+    out = step_lib.combine_minibatch_metrics(
+        [(first, applied), (second, {**applied, "skipped": 1.0})]
+    )
+    assert out["entropy"] == pytest.approx(0.4) and out["skipped"] == 1.0
+    none = step_lib.combine_minibatch_metrics([(zero, applied)])
+    assert math.isnan(none["entropy"]) and math.isnan(none["ratio_mean"]) and none["loss"] == 0.0
+
+
 def test_the_report_gives_the_runs_ratios_not_means_of_the_steps():
     """Two steps with 1 of 100 and 9 of 10 tail seconds: the run's tail share is 10 / 110, not
     (1% + 90%) / 2; the same for the SD share of decode steps, tokens/s and acceptance."""

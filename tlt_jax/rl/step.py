@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -491,20 +491,38 @@ def build_sequence_batch(prompts: list[tuple[int, ...]], responses: list[list[in
 SUMMED_METRICS = ("loss", "pg_loss", "kl")
 
 
-def add_minibatch_metrics(totals: dict, sums: dict, applied: dict, minibatches: int) -> None:
-    """Averages one mini-batch's metrics into `totals`: `loss`, `pg_loss` and `kl` are the
-    mini-batch's values (zero-advantage micro-batches, skipped, contribute exactly 0); the
-    token-mean metrics are means over the trained tokens; `skipped` is 1 if any update was."""
-    sums = {k: float(v) for k, v in sums.items()}
-    weight = sums.pop("weight")
-    for k, v in sums.items():
-        value = v if k in SUMMED_METRICS else (v / weight if weight > 0 else 0.0)
-        totals[k] = totals.get(k, 0.0) + value / minibatches
-    for k, v in applied.items():
-        if k == "skipped":
-            totals[k] = max(totals.get(k, 0.0), float(v))
-        else:
-            totals[k] = totals.get(k, 0.0) + float(v) / minibatches
+def combine_minibatch_metrics(minibatches: Sequence[tuple[dict, dict]]) -> dict[str, float]:
+    """The step's metrics from each mini-batch's (accumulated sums, optimizer metrics).
+
+    `loss`, `pg_loss` and `kl` are mini-batch values (zero-advantage micro-batches, skipped,
+    contribute exactly 0): their mean over the mini-batches. The token-mean metrics are means
+    over the step's trained tokens: every mini-batch's weighted sums over the sum of their
+    weights (`weight`, each mini-batch's trained share of its tokens), so a mini-batch that
+    trained nothing counts for nothing (it used to count as a 0, halving the step's entropy
+    with one such mini-batch of two), and NaN when the step trained no token (not 0: an
+    entropy of 0 reads as a collapse). `skipped` is 1 if any update was; the optimizer's
+    other metrics are means over the mini-batches.
+    """
+    n = len(minibatches)
+    totals: dict[str, float] = {}
+    token_sums: dict[str, float] = {}
+    weight = 0.0
+    for sums, applied in minibatches:
+        sums = {k: float(v) for k, v in sums.items()}
+        weight += sums.pop("weight")
+        for k, v in sums.items():
+            if k in SUMMED_METRICS:
+                totals[k] = totals.get(k, 0.0) + v / n
+            else:
+                token_sums[k] = token_sums.get(k, 0.0) + v
+        for k, v in applied.items():
+            if k == "skipped":
+                totals[k] = max(totals.get(k, 0.0), float(v))
+            else:
+                totals[k] = totals.get(k, 0.0) + float(v) / n
+    for k, v in token_sums.items():
+        totals[k] = v / weight if weight > 0 else float("nan")
+    return totals
 
 
 def logprob_gap(recomputed: list[np.ndarray], engine: list[list[float]]) -> float:

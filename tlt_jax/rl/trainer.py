@@ -616,7 +616,6 @@ class Trainer:
         owners = self._owners(micro_plan)
         apply = self._apply_program()
         advantages = np.asarray(advantages, np.float32).reshape(-1)
-        totals: dict[str, float] = {}
         pending = []  # each mini-batch's metrics, read back once every update is dispatched
         trained = computed = needed = 0
         num_micro = sum(len(m) for m in micro_plan)
@@ -657,8 +656,7 @@ class Trainer:
                 pending.append(({k: accum[k] for k in step_lib.ACCUMULATED_METRICS}, applied))
         # No metric is read back between mini-batches: the host never waits on the device
         # before dispatching the next mini-batch's gradient programs.
-        for sums, applied in jax.device_get(pending):
-            step_lib.add_minibatch_metrics(totals, sums, applied, len(micro_plan))
+        totals = step_lib.combine_minibatch_metrics(jax.device_get(pending))
         if from_update and group.count > 1:
             features.update(self._share_features(features, mine, others, batches))
         if group.count > 1:
