@@ -506,6 +506,9 @@ def test_param_shardings_on_fake_mesh():
     shardings = param_shardings(CONFIG, make_mesh((2, 4)), role="train")
     assert shardings["fc"].spec == jax.sharding.PartitionSpec("data", None)
     assert shardings["layers"]["q"].spec[2] == "tensor"
+    with_bias = param_shardings(CONFIG, make_mesh((2, 4)), role="train", fc_bias=True)
+    assert with_bias["fc_bias"].spec == jax.sharding.PartitionSpec("data")
+    assert "fc_bias" not in shardings
 
 
 # ----------------------------------------------------------------------------- warm-up
@@ -677,6 +680,15 @@ def test_export_matches_torch_eagle_reference(embed_head, tmp_path, fc_bias):
         np.testing.assert_array_equal(again.params_dict()["fc_bias"], written["fc.bias"])
     else:
         assert "fc_bias" not in load_eagle(out).params_dict()  # a zero bias is dropped
+        # ... but a malformed one is refused, zero or not (it was read only when non-zero).
+        written = load_file(str(out / "model.safetensors"))
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        (bad / "config.json").write_text((out / "config.json").read_text())
+        save_file({**written, "fc.bias": np.zeros((7,), np.float32)},
+                  str(bad / "model.safetensors"), {"format": "pt"})  # fmt: skip
+        with pytest.raises(ValueError, match=r"fc\.bias has shape \(7,\); expected"):
+            load_eagle(bad)
     hf_config = transformers.Qwen2Config(**{
         k: v for k, v in json.loads((out / "config.json").read_text()).items()
         if k not in ("architectures", "torch_dtype")

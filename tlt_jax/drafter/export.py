@@ -195,9 +195,12 @@ def load_eagle(path: str | os.PathLike, *, target: ModelConfig | None = None,
         },
     }
     # A zero bias (what `export_eagle` writes for SGLang) is dropped; a trained one is kept.
-    if "fc.bias" in present and np.any(bias := source.read("fc.bias")):
+    # Its shape is checked either way: a malformed checkpoint is refused, not half-read.
+    if "fc.bias" in present:
+        bias = source.read("fc.bias")
         if bias.shape != (config.hidden_size,):
             raise ValueError(f"EAGLE checkpoint {path}: fc.bias has shape {bias.shape}; "
                              f"expected ({config.hidden_size},)")  # fmt: skip
-        params["fc_bias"] = bias.astype(dtype)
+        if np.any(bias):
+            params["fc_bias"] = bias.astype(dtype)
     return drafter_from_params(config, jax.tree.map(jax.numpy.asarray, params))

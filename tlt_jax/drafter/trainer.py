@@ -117,9 +117,11 @@ def make_buffer(config: DrafterTrainConfig, *, max_samples: int = 2000) -> Draft
                          window=config.window, prompt_context=config.prompt_context)  # fmt: skip
 
 
-def param_shardings(target_config: ModelConfig, mesh: Mesh, role: str = "train") -> DrafterParams:
-    """NamedShardings of the drafter params (plain-dict layout) from their logical axes."""
-    abstract = nnx.eval_shape(lambda: Drafter(target_config, rngs=nnx.Rngs(0)))
+def param_shardings(target_config: ModelConfig, mesh: Mesh, role: str = "train", *,
+                    fc_bias: bool = False) -> DrafterParams:  # fmt: skip
+    """NamedShardings of the drafter params (plain-dict layout) from their logical axes;
+    `fc_bias`: of a drafter with fc's bias (warm-started from an EAGLE-1/2 checkpoint)."""
+    abstract = nnx.eval_shape(lambda: Drafter(target_config, rngs=nnx.Rngs(0), fc_bias=fc_bias))
     state = nnx.state(abstract, nnx.Param)
     shardings = sharding_lib.state_shardings(state, mesh, sharding_lib.rules_for(role))
     return nnx.to_pure_dict(shardings)
