@@ -41,6 +41,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from tlt_jax.files import write_text_atomic
+
 REPO = Path(__file__).resolve().parent.parent
 _OUT_DIR = flags.DEFINE_string("out_dir", os.environ.get("OUT"), "Where results and logs go.")
 _SCRATCH_DIR = flags.DEFINE_string(
@@ -195,19 +197,39 @@ def _summary(name: str, out: Path, scratch: Path) -> dict:
     }
 
 
+# In the scratch folder this script made, so that it only ever deletes a folder of its own.
+SCRATCH_MARK = ".accelerator_check_scratch"
+
+
+def _fresh_scratch(scratch: Path) -> None:
+    """Empties the scratch folder (a run's workdir there would resume the last run's
+    checkpoint): one this script made (it holds `SCRATCH_MARK`) is removed, a new or empty one
+    is used, and any other folder or file is refused rather than deleted."""
+    if scratch.exists():
+        if not scratch.is_dir() or (any(scratch.iterdir())
+                                    and not (scratch / SCRATCH_MARK).is_file()):  # fmt: skip
+            raise app.UsageError(
+                f"--scratch_dir={scratch} exists and is not a scratch folder this script made "
+                f"(no {SCRATCH_MARK} in it); it deletes its scratch folder on every run, so "
+                "give a new or empty path")  # fmt: skip
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    (scratch / SCRATCH_MARK).write_text("made by scripts/accelerator_check.py; deleted by it\n")
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not _OUT_DIR.value:
         raise app.UsageError("--out_dir is required (or set $OUT)")
+    if not _STAGES.value:
+        raise app.UsageError(f"--stages is empty; give one or more of {list(SHARES)}")
     unknown = sorted(set(_STAGES.value) - set(SHARES))
     if unknown:
         raise app.UsageError(f"--stages {unknown} are not among {list(SHARES)}")
     out, scratch = Path(_OUT_DIR.value), Path(_SCRATCH_DIR.value)
+    _fresh_scratch(scratch)
     out.mkdir(parents=True, exist_ok=True)
-    if scratch.exists():  # a run's workdir would resume the last run's checkpoint
-        shutil.rmtree(scratch)
-    scratch.mkdir(parents=True)
     dry = _DRY_RUN.value
     env = _env(dry)
     command = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
@@ -242,7 +264,7 @@ def main(argv):
                                   "summary": _summary(name, out, scratch)}  # fmt: skip
         say(f"{name}: {status} in {seconds:.0f} s (budget {budget:.0f} s)\n"
             + json.dumps(report["stages"][name]["summary"], indent=1))  # fmt: skip
-        (out / "accelerator_check.json").write_text(json.dumps(report, indent=1))
+        write_text_atomic(out / "accelerator_check.json", json.dumps(report, indent=1))
     failed = [n for n, s in report["stages"].items() if s["status"] != "ok"]
     say(f"wrote {out / 'accelerator_check.json'}; stages not ok: {failed or 'none'}")
     log.close()

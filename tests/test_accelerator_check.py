@@ -4,6 +4,7 @@ returns (8)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -39,6 +40,7 @@ def test_accelerator_check_dry_run(tmp_path):
     assert len(files) <= 8, files
 
 
+@functools.cache  # its absl flags can be defined once per process
 def _accelerator_check():
     import importlib.util
 
@@ -62,3 +64,29 @@ def test_device_argv_and_a_half_written_json(tmp_path):
     (tmp_path / "bench_kernels.json").write_text('{"results": [{"kernel": "tr')
     summary = check._summary("bench_kernels", tmp_path, tmp_path)
     assert summary["error"].startswith("bench_kernels.json does not parse")
+
+
+def test_the_scratch_folder_is_deleted_only_when_this_script_made_it(tmp_path):
+    """`--scratch_dir` is emptied on every run: a folder of the user's (no marker) is refused,
+    not deleted; a new, empty or earlier scratch folder is (re)made with its marker."""
+    from absl import app
+
+    check = _accelerator_check()
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    try:
+        check._fresh_scratch(precious)
+        raise AssertionError("a folder of the user's was accepted as scratch")
+    except app.UsageError as e:
+        assert "--scratch_dir=" in str(e) and "not a scratch folder" in str(e)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    scratch = tmp_path / "scratch"
+    check._fresh_scratch(scratch)
+    (scratch / "rl_tiny").mkdir()  # what a run leaves
+    check._fresh_scratch(scratch)  # ours: emptied
+    assert [p.name for p in scratch.iterdir()] == [check.SCRATCH_MARK]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    check._fresh_scratch(empty)
+    assert (empty / check.SCRATCH_MARK).is_file()
