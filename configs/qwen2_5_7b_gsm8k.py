@@ -1,6 +1,6 @@
 r"""GRPO (DAPO clip-higher) on Qwen2.5-7B-Instruct with GSM8K, for 8 accelerators.
 
-    python scripts/train.py --config configs/qwen2_5_7b_gsm8k.py --workdir gs://bucket/run \
+    python scripts/train.py --config configs/qwen2_5_7b_gsm8k.py --workdir /mnt/runs/qwen7b \
         --config.model.name=/path/to/Qwen2.5-7B-Instruct \
         --config.data.data_dir=/path/to/gsm8k
 

@@ -51,9 +51,22 @@ def test_drafter_config_loads_and_builds(name, arg, tmp_path):
         config_from_dict(raw, "/tmp/w")
     raw.prompts = str(tmp_path / "prompts.jsonl")
     # A missing prompts file is named before train_drafter.py loads the policy.
-    with pytest.raises(FileNotFoundError, match=r"prompts=.*prompts\.jsonl' is not a file"):
+    with pytest.raises(FileNotFoundError, match=r"--config\.prompts file .*prompts\.jsonl does"):
+        config_from_dict(raw, "/tmp/w")
+    # So are an empty file and rows of another form (they failed after the policy loaded).
+    (tmp_path / "prompts.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"--config\.prompts file .* has no prompts; expected"):
+        config_from_dict(raw, "/tmp/w")
+    (tmp_path / "prompts.jsonl").write_text('{"question": "q"}\n')
+    with pytest.raises(ValueError, match=r"prompts\.jsonl:1: expected an object with .*prompt"):
         config_from_dict(raw, "/tmp/w")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "q"}\n')
+    # A workdir that is a file or a URL is refused by name.
+    (tmp_path / "a_file").write_text("")
+    for workdir, why in ((tmp_path / "a_file", "exists and is not a directory"),
+                         ("gs://bucket/run", "is a URL")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"--workdir=.*{why}"):
+            config_from_dict(raw, str(workdir))
     config, script = config_from_dict(raw, "/tmp/w")
     assert script["model"] == "smollm2-135m-instruct" and config.workdir == "/tmp/w"
     assert isinstance(config.train.optim, OptimConfig)

@@ -1256,3 +1256,15 @@ def test_spec_threshold_is_calibrated_at_start_without_a_file(tmp_path, monkeypa
         Trainer(tiny_config(**{"spec.mode": "adaptive", "spec.threshold": 4,
                                "spec.calibration_file": "/nowhere.json"}),
                 tmp_path / "third", progress=False)  # fmt: skip
+
+
+def test_a_workdir_that_is_a_file_or_a_url_is_refused_by_name(tmp_path, monkeypatch):
+    """Before anything loads: a file (a bare FileExistsError before) or `gs://bucket/run`
+    (Python's file calls made a local folder `gs:/bucket/run` and checkpointed into it)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"--workdir='.*a_file' exists and is not a directory"):
+        Trainer(tiny_config(total_steps=1), tmp_path / "a_file", progress=False)
+    with pytest.raises(ValueError, match=r"--workdir='gs://bucket/run' is a URL"):
+        Trainer(tiny_config(total_steps=1), "gs://bucket/run", progress=False)
+    assert not (tmp_path / "gs:").exists()

@@ -13,10 +13,28 @@ from typing import Any
 import numpy as np
 
 
+def check_local_dir(path: str | os.PathLike, flag: str) -> Path:
+    """`path` as a local directory to write into (it need not exist yet), or a ValueError that
+    names `flag`: a URL (`gs://...`; Python's file calls would make a local folder named
+    `gs:`) or a path that exists and is no directory."""
+    text = os.fspath(path)
+    if "://" in text:
+        raise ValueError(f"{flag}={text!r} is a URL; this writes through the local file "
+                         "system: give a local path, or mount the bucket (e.g. gcsfuse) and "
+                         "give the mount's path")  # fmt: skip
+    local = Path(text).expanduser()
+    if local.exists() and not local.is_dir():
+        raise ValueError(f"{flag}={text!r} exists and is not a directory")
+    return local
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Writes `text` to `path` whole or not at all: into `<name>.tmp` beside it, then renamed
-    over it, so a reader (or a kill mid-write) never sees half a file. Returns the path."""
+    over it, so a reader (or a kill mid-write) never sees half a file; a missing parent
+    folder is made (a benchmark's results are not lost to a typo in its folder). Returns the
+    path."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -214,15 +214,18 @@ def _is_prompt_row(row: Any) -> bool:
     )
 
 
-def read_prompt_rows(path: str | os.PathLike, limit: int | None = None) -> list[dict[str, Any]]:
+def read_prompt_rows(path: str | os.PathLike, limit: int | None = None, *,
+                     flag: str = "--prompts") -> list[dict[str, Any]]:  # fmt: skip
     """Reads a JSONL prompt file: each non-blank line a `prompt` (text) or a `messages` chat.
 
     What a `prompt` means (a question to render like RL prompts, or raw text) is the
     encoder's choice (`tlt_jax.data.tokenizer.PromptEncoder`); rows may carry other keys.
 
     Args:
-      path: the file (the `--prompts` flag of `scripts/generate.py` and `train_drafter.py`).
+      path: the file.
       limit: stop after this many rows; None reads them all.
+      flag: where the path came from, for errors (`scripts/generate.py`'s `--prompts`,
+        `train_drafter.py`'s `--config.prompts`).
 
     Returns:
       The rows, in file order.
@@ -233,7 +236,7 @@ def read_prompt_rows(path: str | os.PathLike, limit: int | None = None) -> list[
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--prompts file {path} does not exist")
+        raise FileNotFoundError(f"{flag} file {path} does not exist")
     rows: list[dict[str, Any]] = []
     with path.open() as f:
         for line_number, line in enumerate(f, start=1):
@@ -253,7 +256,7 @@ def read_prompt_rows(path: str | os.PathLike, limit: int | None = None) -> list[
             if limit is not None and len(rows) >= limit:
                 break
     if not rows:
-        raise ValueError(f"--prompts file {path} has no prompts")
+        raise ValueError(f"{flag} file {path} has no prompts; expected {PROMPT_ROW_EXPECTED}")
     return rows
 
 

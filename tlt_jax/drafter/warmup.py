@@ -34,7 +34,7 @@ from flax import nnx
 
 from tlt_jax.checkpointing.manager import DrafterCheckpointer
 from tlt_jax.config_fields import placeholder
-from tlt_jax.data.pipeline import DEFAULT_INSTRUCTION, read_prompt_rows
+from tlt_jax.data.pipeline import DEFAULT_INSTRUCTION, PROMPT_ROW_EXPECTED, read_prompt_rows
 from tlt_jax.data.tokenizer import PromptEncoder, Tokenizer, stop_token_ids
 from tlt_jax.drafter.data import DrafterBuffer
 from tlt_jax.drafter.export import export_eagle
@@ -46,7 +46,7 @@ from tlt_jax.drafter.trainer import (
     make_buffer,
     make_train_step,
 )
-from tlt_jax.files import write_text_atomic
+from tlt_jax.files import check_local_dir, write_text_atomic
 from tlt_jax.models.drafter import init_drafter
 from tlt_jax.models.transformer import Transformer
 from tlt_jax.optim import OptimConfig
@@ -142,11 +142,13 @@ def config_from_dict(config: Any, workdir: str) -> tuple[WarmupConfig, dict[str,
     if not script["model"]:
         raise ValueError("model='' : set the policy (HF directory, .gguf or short name)")
     if not raw.get("prompts"):
-        raise ValueError("prompts='' : set --config.prompts to a JSONL of questions")
-    if not Path(raw["prompts"]).is_file():  # before the policy loads
-        raise FileNotFoundError(f"prompts={raw['prompts']!r} is not a file; set "
-                                "--config.prompts to a JSONL of questions")  # fmt: skip
-    return _build(WarmupConfig, {**raw, "workdir": workdir}, ""), script
+        raise ValueError(f"prompts='' : set --config.prompts to a JSONL of {PROMPT_ROW_EXPECTED}")
+    check_local_dir(workdir, "--workdir")
+    built = _build(WarmupConfig, {**raw, "workdir": workdir}, "")
+    # Every row is read now, before the policy loads: a missing or empty file, or rows of
+    # another form, fail in seconds.
+    read_prompt_rows(built.prompts, built.max_prompts, flag="--config.prompts")
+    return built, script
 
 
 def load_prompt_ids(config: WarmupConfig, tokenizer: Tokenizer) -> list[list[int]]:

@@ -52,6 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tlt_jax.checkpointing.manager import RunCheckpointer
 from tlt_jax.data.pipeline import PromptIterator, data_fingerprint, load_data
 from tlt_jax.data.tokenizer import stop_token_ids
+from tlt_jax.files import check_local_dir
 from tlt_jax.metrics import timing
 from tlt_jax.metrics.plots import (
     SLICE_TIMELINE_FILE,
@@ -133,7 +134,7 @@ class Trainer:
           progress: progress bars per phase (default: when stderr is a terminal).
         """
         self.config = cfg = config
-        self.workdir = Path(workdir)
+        self.workdir = check_local_dir(workdir, "--workdir")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.sinks: list[FeatureSink] = [] if feature_sink is None else [feature_sink]
         self.progress = progress
