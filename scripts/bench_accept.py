@@ -20,6 +20,7 @@ from pathlib import Path
 
 from absl import app, flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 _CONFIG = flags.DEFINE_string("config", "configs/smollm2_arith.py", "Config file (train.py's).")
@@ -33,6 +34,7 @@ _PROBE = flags.DEFINE_integer(
     "Then probe each run's final policy with every drafter on this many held-out prompts "
     "(x the group size, SD on every step; 0: no probe).")  # fmt: skip
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results.")
+files.register_output_checks("output_json")
 
 
 def main(argv):

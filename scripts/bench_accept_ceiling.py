@@ -23,10 +23,12 @@ import time
 
 from absl import app, flags
 
+from tlt_jax import files
 from tlt_jax.files import write_json
 
 _RESPONSES = flags.DEFINE_string("responses", None, "A warm-up workdir's responses.jsonl.")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results (JSON).")
+files.register_output_checks("output_json")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Policy checkpoint (short name).")
 _DEPTHS = flags.DEFINE_list("depths", ["1", "2", "3", "4", "6", "8"], "Drafted levels.")
 _WIDTHS = flags.DEFINE_list("widths", ["1", "2", "4"], "Children per node (1: a chain).")

@@ -24,9 +24,11 @@ import time
 
 from absl import app, flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results (JSON).")
+files.register_output_checks("output_json")
 _MODEL = flags.DEFINE_string("model", "smollm2_135m", "Model preset (shapes only).")
 _BATCH_ROWS = flags.DEFINE_integer("batch_rows", 2, "Packed rows per step.", lower_bound=1)
 _ROW_LEN = flags.DEFINE_integer("row_len", 1024, "Tokens per packed row.", lower_bound=1)

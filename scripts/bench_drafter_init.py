@@ -29,6 +29,7 @@ import time
 
 from absl import app, flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 INITS = ("random", "random_fc_feature_identity", "target_last_layer",
@@ -36,6 +37,7 @@ INITS = ("random", "random_fc_feature_identity", "target_last_layer",
 
 _RESPONSES = flags.DEFINE_string("responses", None, "A warm-up workdir's responses.jsonl.")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results (JSON).")
+files.register_output_checks("output_json")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Policy checkpoint (short name).")
 _VARIANTS = flags.DEFINE_list(
     "variants",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from absl import app, flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 _CONFIG = flags.DEFINE_string("config", "configs/smollm2_arith.py", "Config file (train.py's).")
@@ -35,6 +36,7 @@ _PIN = flags.DEFINE_bool("pin_cores", False, "Pin process i to core i (launch_lo
 _ROOT = flags.DEFINE_string("root", "/tmp/bench_full_tlt", "One fresh workdir per run under here.")
 _EXTRA = flags.DEFINE_multi_string("override", [], "More train.py flags for every run.")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results.")
+files.register_output_checks("output_json")
 
 
 def main(argv):

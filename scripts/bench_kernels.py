@@ -22,11 +22,14 @@ import sys
 
 from absl import app, flags
 
+from tlt_jax import files
+
 _SHAPES = flags.DEFINE_enum(
     "shapes", "auto", ["auto", "tiny", "device", "full"],
     "Shape set; auto = tiny on CPU, else device.",
 )  # fmt: skip
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results (JSON).")
+files.register_output_checks("output_json")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Input dtype.")
 _BUDGET_S = flags.DEFINE_float("budget_s", 240.0, "No case starts after this many seconds.")
 _MAX_BYTES = flags.DEFINE_integer("max_bytes", 8 << 30, "Skip cases whose inputs exceed this.")

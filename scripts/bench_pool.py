@@ -22,9 +22,11 @@ import sys
 
 from absl import app, flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
+files.register_output_checks("output_json")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Policy: HF directory, .gguf or short name.")
 flags.DEFINE_enum("preset", "", ["", "tiny"], "tiny: random tiny model, small strategies and "
                   "sizes (flags given explicitly still apply).")  # fmt: skip

@@ -38,9 +38,11 @@ import time
 
 from absl import app, flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
+files.register_output_checks("output_json")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Model path or short name.")
 flags.DEFINE_list("batch_sizes", ["1", "8", "32", "64"], "Batch sizes to measure.")
 flags.DEFINE_list("modes", ["greedy", "sampled"], "greedy and/or sampled (temperature 0.8).")

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from absl import app, flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
+files.register_output_checks("output_json")
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Policy: HF directory, .gguf or short name.")
 flags.DEFINE_string("drafter", "", "EAGLE drafter directory (scripts/train_drafter.py export).")
 flags.DEFINE_enum("draft", "", ["", "eagle", "ngram", "hybrid"], "Draft source; default eagle "

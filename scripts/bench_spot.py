@@ -19,6 +19,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 FLAGS = flags.FLAGS
@@ -26,6 +27,7 @@ config_flags.DEFINE_config_file(
     "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
 )
 flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
+files.register_output_checks("output_json")
 flags.DEFINE_integer(
     "rounds", 3, "Rollouts per side (alternating which side goes first).", lower_bound=1
 )

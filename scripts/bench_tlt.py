@@ -20,6 +20,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 FLAGS = flags.FLAGS
@@ -27,6 +28,7 @@ config_flags.DEFINE_config_file(
     "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
 )
 flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
+files.register_output_checks("output_json")
 flags.DEFINE_integer("steps", 2, "Measured RL steps per side.", lower_bound=1)
 flags.DEFINE_integer("warmup", 1, "RL steps per side run first and not measured.", lower_bound=0)
 flags.DEFINE_list("batch_multipliers", ["1", "2"], "Prompts per step times these.")

@@ -21,6 +21,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 FLAGS = flags.FLAGS
@@ -31,6 +32,7 @@ config_flags.DEFINE_config_file(
     lock_config=True,
 )
 flags.DEFINE_string("output_json", None, "Where to write the results.", required=True)
+files.register_output_checks("output_json")
 flags.DEFINE_string("lengths_json", None, "Recorded response lengths (see above).")
 flags.DEFINE_list("step_indices", [], "With --lengths_json: which recorded steps (default all).")
 flags.DEFINE_integer("steps", 4, "Synthetic steps (without --lengths_json).", lower_bound=1)

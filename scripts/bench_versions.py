@@ -25,6 +25,7 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,6 +37,7 @@ _STEPS = flags.DEFINE_integer(
 )
 _PLAIN = flags.DEFINE_bool("plain_rollouts", True, "spec.mode=off on both sides.")
 _OUTPUT = flags.DEFINE_string("output_json", None, "Where to write the JSON results.")
+files.register_output_checks("output_json")
 PACKAGES = ("tlt_jax", "pallas_kernels")
 KEYS = ("time_rollout", "time_logprob", "time_update", "step_time", "compile_count", "compile_s")
 # Also recorded when the side's trainer reports them (older commits may not): what the update

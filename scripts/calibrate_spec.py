@@ -15,6 +15,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json
 
 FLAGS = flags.FLAGS
@@ -22,6 +23,7 @@ config_flags.DEFINE_config_file(
     "config", "configs/smollm2_arith.py", "Config file.", lock_config=True
 )
 flags.DEFINE_string("output_json", None, "Where to write the calibration.", required=True)
+files.register_output_checks("output_json")
 flags.DEFINE_integer(
     "verify_tokens",
     0,

@@ -32,6 +32,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from tlt_jax import files
 from tlt_jax.files import write_json  # noqa: E402
 from tlt_jax.models.presets import get_preset  # noqa: E402
 from tlt_jax.rl import fit  # noqa: E402
@@ -52,6 +53,7 @@ _COMPILE = flags.DEFINE_bool("compile", True, "Compile each mesh's programs on f
 _PROGRAMS = flags.DEFINE_list("programs", list(fit.PROGRAMS), "Programs to lower.")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Write the rows here as JSON.")
 _MARKDOWN = flags.DEFINE_string("markdown", None, "Write the README table here.")
+files.register_output_checks("output_json", "markdown")
 
 GB = 1e9
 
@@ -169,7 +171,7 @@ def main(argv):
         write_json(_OUTPUT_JSON.value, {"command": command, "rows": rows}, indent=1)
         print(f"wrote {_OUTPUT_JSON.value}")
     if _MARKDOWN.value:
-        Path(_MARKDOWN.value).write_text(markdown(rows))
+        files.write_text_atomic(_MARKDOWN.value, markdown(rows))
         print(f"wrote {_MARKDOWN.value}")
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from tlt_jax import files
 from tlt_jax.files import write_json
 
 FLAGS = flags.FLAGS
@@ -33,6 +34,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_string("split", "train", "Split to draw problems from.")
 flags.DEFINE_string("output_json", None, "Write every row (and the responses) here.")
+files.register_output_checks("output_json")
 flags.mark_flags_as_required(["config"])
 
 _ONE_SHOT = (

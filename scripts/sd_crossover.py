@@ -19,6 +19,7 @@ import sys
 import jax
 from absl import app, flags
 
+from tlt_jax import files
 from tlt_jax.files import to_json, write_json
 
 _PRESET = flags.DEFINE_string("preset", "", "Model preset (default: qwen2_5_1_5b, tiny on CPU).")
@@ -40,6 +41,7 @@ _BATCHES = flags.DEFINE_list("batches", [], "Batches timed, in this order (power
                              "batch compiles its own programs.")  # fmt: skip
 _BUDGET_S = flags.DEFINE_float("budget_s", 0.0, "Stop starting new batches after this (0: none).")
 _OUTPUT_JSON = flags.DEFINE_string("output_json", None, "Where to write the results.")
+files.register_output_checks("output_json")
 
 
 def main(argv):

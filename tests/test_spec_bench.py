@@ -340,6 +340,39 @@ def test_generate_refuses_an_unwritable_output_before_loading_the_model(tmp_path
         config = generate.GenerateConfig(model="tiny", prompts=str(prompts), output=str(output))
         with pytest.raises(ValueError, match=f"--output='{output}' {message}"):
             generate.run(config)
+    # A prompt too long for the context, or a drafter folder that is none, fails before the
+    # model loads, and leaves no (empty) output file behind.
+    output = tmp_path / "out" / "o.jsonl"
+    config = generate.GenerateConfig(model="tiny", prompts=str(prompts), output=str(output),
+                                     max_seq_len=8, max_new_tokens=4)  # fmt: skip
+    with pytest.raises(ValueError, match="prompt 0 is .* tokens: with max_new_tokens=4 it exceeds"):
+        generate.run(config)
+    config = generate.GenerateConfig(model="tiny", prompts=str(prompts), output=str(output),
+                                     draft="eagle", drafter=str(tmp_path / "a_dir"))  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="--drafter=.*a_dir' is not an exported HF-EAGLE"):
+        generate.run(config)
+    assert not output.exists()
+
+
+def test_output_flags_are_checked_when_parsed_not_after_the_run(tmp_path):
+    """Every benchmark's --output_json (`files.register_output_checks`): a directory or a
+    folder that cannot be made fails as the flags parse; a missing folder is made."""
+    import subprocess
+    import sys
+
+    from rl_testing import REPO
+
+    (tmp_path / "a_file").write_text("")
+    for value, message in [(tmp_path, "is a directory"),
+                           (tmp_path / "a_file" / "x.json", "cannot be written")]:  # fmt: skip
+        proc = subprocess.run([sys.executable, "scripts/bench_rl_step.py", "--config",
+                               "configs/tiny.py", f"--output_json={value}"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode != 0 and f"--output_json='{value}' {message}" in proc.stderr
+    from tlt_jax import files
+
+    made = files.check_output_file(tmp_path / "new" / "x.json", "--output_json")
+    assert made.parent.is_dir() and not made.exists()
 
 
 def test_logit_parity_of_a_model_with_itself_and_in_bfloat16():

@@ -28,6 +28,45 @@ def check_local_dir(path: str | os.PathLike, flag: str) -> Path:
     return local
 
 
+def check_output_file(path: str | os.PathLike, flag: str) -> Path:
+    """`path` as a file this process can write its results to at the end, or a ValueError
+    naming `flag`, now rather than after the run: a directory, or a folder that cannot be
+    made or written into. Makes the missing folders; writes no file."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise ValueError(f"{flag}={os.fspath(path)!r} is a directory; expected a file's path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag}={os.fspath(path)!r} cannot be written: its folder cannot "
+                         f"be made: {e}") from e  # fmt: skip
+    writable = os.access(out.parent, os.W_OK | os.X_OK)
+    if not writable or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"{flag}={os.fspath(path)!r} cannot be written (permissions)")
+    return out
+
+
+def register_output_checks(*names: str) -> None:
+    """Checks these absl flags' paths (`check_output_file`) when the flags are parsed, before
+    the script does anything: a benchmark whose results could not be written fails in a
+    second, not after its run."""
+    from absl import flags
+
+    def check(name: str):
+        def validator(value) -> bool:
+            if value:
+                try:
+                    check_output_file(value, f"--{name}")
+                except ValueError as e:
+                    raise flags.ValidationError(str(e)) from e
+            return True
+
+        return validator
+
+    for name in names:
+        flags.register_validator(name, check(name))
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Writes `text` to `path` whole or not at all: into `<name>.tmp` beside it, then renamed
     over it, so a reader (or a kill mid-write) never sees half a file; a missing parent

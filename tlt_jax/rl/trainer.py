@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tlt_jax.checkpointing.manager import RunCheckpointer
 from tlt_jax.data.pipeline import PromptIterator, data_fingerprint, load_data
 from tlt_jax.data.tokenizer import stop_token_ids
-from tlt_jax.files import check_local_dir
+from tlt_jax.files import check_local_dir, write_text_atomic
 from tlt_jax.metrics import timing
 from tlt_jax.metrics.plots import (
     SLICE_TIMELINE_FILE,
@@ -384,7 +384,7 @@ class Trainer:
         for row in report:
             log.info("compiled %s", row)
         if self.group.is_primary:
-            (self.workdir / "compile_report.json").write_text(json.dumps(report, indent=1))
+            write_text_atomic(self.workdir / "compile_report.json", json.dumps(report, indent=1))
         self.compiled_before_step = self.step_count + 1
         return report
 

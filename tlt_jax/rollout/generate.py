@@ -13,7 +13,7 @@ from absl import logging
 
 from tlt_jax.data.pipeline import read_prompt_rows
 from tlt_jax.data.tokenizer import PromptEncoder, stop_token_ids
-from tlt_jax.files import write_text_atomic
+from tlt_jax.files import check_output_file, write_text_atomic
 from tlt_jax.rollout.adaptive import DRAFT_SOURCES, FixedPolicy, PlainPolicy, StepChoice
 from tlt_jax.rollout.engine import (
     DRAFTER_SYNC,
@@ -102,22 +102,20 @@ def build_requests(
         ids = encode.encode_row(row)
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens; expected a non-empty prompt")
+        if len(ids) + config.max_new_tokens > config.max_seq_len:  # before the model loads
+            raise ValueError(
+                f"prompt {i} is {len(ids)} tokens: with max_new_tokens={config.max_new_tokens} "
+                f"it exceeds max_seq_len={config.max_seq_len}; shorten it or raise --max_seq_len"
+            )  # fmt: skip
         requests.append(Request(ids, config.max_new_tokens, sampling, stops, config.seed + i))
     return requests
 
 
 def check_output(path: str) -> None:
     """Fails now, naming `--output`, if the results could not be written there after the run
-    (a directory, or a path that cannot be created or opened for writing)."""
-    out = Path(path)
-    if out.is_dir():
-        raise ValueError(f"--output={path!r} is a directory; expected the path of a JSONL file")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a"):  # appends nothing: the file is rewritten once generation ends
-            pass
-    except OSError as e:
-        raise ValueError(f"--output={path!r} cannot be written: {e}") from e
+    (a directory, or a folder that cannot be made or written into); writes no file, so a run
+    that fails leaves no empty output behind."""
+    check_output_file(path, "--output")
 
 
 def run(config: GenerateConfig) -> dict[str, Any]:
@@ -129,6 +127,9 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     rows = read_prompt_rows(config.prompts)
     tokenizer = checkpoints.load_tokenizer(config.model)
     requests = build_requests(tokenizer, rows, config)
+    if config.drafter and not (Path(config.drafter) / "config.json").is_file():
+        raise FileNotFoundError(f"--drafter={config.drafter!r} is not an exported HF-EAGLE "
+                                "drafter directory (no config.json in it)")  # fmt: skip
     model = checkpoints.load_model(config.model, param_dtype=config.dtype, dtype=config.dtype)
     drafter, hot_ids = None, None
     if config.source in ("eagle", "hybrid"):
