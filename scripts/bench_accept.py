@@ -47,6 +47,11 @@ def main(argv):
         raise app.UsageError(f"--variants {unknown} not in {list(bench_accept.VARIANTS)}")
     if _WARM.value and not Path(_WARM.value).is_dir():
         raise app.UsageError(f"--warm_drafter={_WARM.value!r} is not a directory")
+    warm_variants = [v for v in _VARIANTS.value if v != "cold"]
+    if warm_variants and not _WARM.value:  # not once the runs before them are done
+        raise app.UsageError(f"--variants {warm_variants} start from a warm-up drafter: give "
+                             "--warm_drafter (an exported HF-EAGLE directory), or run only "
+                             "--variants=cold")  # fmt: skip
     command = " ".join(["python", *sys.argv])
     print(command, flush=True)
     env = dict(os.environ)

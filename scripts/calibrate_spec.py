@@ -10,6 +10,7 @@ and the threshold: the largest bucket whose ratio is below `--max_cost_ratio`. P
 `--config.spec.calibration_file` at the file.
 """
 
+import math
 import sys
 
 from absl import app, flags
@@ -30,6 +31,10 @@ flags.DEFINE_integer(
     "Tree tokens per verify step (0: the smallest budget of the config's spec.strategies).",
 )
 flags.DEFINE_float("max_cost_ratio", 2.0, "SD is tried where verify / plain is below this.")
+flags.register_validator("max_cost_ratio", lambda v: math.isfinite(v) and v > 0,
+                         "--max_cost_ratio must be a finite number > 0")  # fmt: skip
+flags.register_validator("verify_tokens", lambda v: v >= 0,
+                         "--verify_tokens must be >= 0 (0: the smallest tree)")  # fmt: skip
 flags.DEFINE_integer(
     "max_batch", 0, "Largest batch bucket timed (0: the engine's largest).", lower_bound=0
 )

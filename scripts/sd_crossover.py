@@ -56,7 +56,13 @@ def main(argv):
     from tlt_jax.models.transformer import init_model
     from tlt_jax.rollout import crossover
     from tlt_jax.rollout.engine import EngineConfig, RolloutEngine, power_of_two_buckets
+    from tlt_jax.rollout.speculative import SpecStrategy
 
+    for text in _STRATEGIES.value:  # before any model is built
+        try:
+            SpecStrategy.parse(text)
+        except ValueError as e:
+            raise app.UsageError(f"--strategy={text!r}: {e}") from e
     cpu = jax.default_backend() == "cpu"
     preset = _PRESET.value or ("tiny" if cpu else "qwen2_5_1_5b")
     max_batch = _MAX_BATCH.value or (4 if cpu else 256)
@@ -73,7 +79,7 @@ def main(argv):
     batches = [int(b) for b in _BATCHES.value] or buckets
     if not set(batches) <= set(buckets):
         raise app.UsageError(f"--batches {batches} must be among {buckets} (--max_batch)")
-    verify = max(int(s.split(",")[2]) for s in _STRATEGIES.value)
+    verify = max(SpecStrategy.parse(s).verify_tokens for s in _STRATEGIES.value)
     result = {
         "command": command,
         "backend": jax.default_backend(),
@@ -121,6 +127,9 @@ def main(argv):
         print(to_json({impl: out}, indent=1), flush=True)
         write()  # rewritten after every path (and batch): a timeout keeps what was measured
         del engine
+    failed = [impl for impl, out in result["by_attention"].items() if "error" in out]
+    if failed and len(failed) == len(_ATTENTION.value):  # nothing measured: not a success
+        raise SystemExit(f"every attention path failed ({failed}); see the JSON's errors")
 
 
 if __name__ == "__main__":
