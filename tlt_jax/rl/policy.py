@@ -183,6 +183,17 @@ def build_tokenizer(settings: ModelSettings):
     return checkpoints.load_tokenizer(settings.name)
 
 
+def check_spec_files(spec: SpecConfig) -> None:
+    """Names a `spec.drafter` folder that is no HF-EAGLE export and a `spec.calibration_file`
+    that cannot be read, before the policy loads (the drafter and the threshold are read only
+    after it)."""
+    if spec.drafter and not (Path(spec.drafter) / "config.json").is_file():
+        raise FileNotFoundError(f"spec.drafter={spec.drafter!r} is not an HF-EAGLE export "
+                                "(no config.json; train_drafter.py writes one)")  # fmt: skip
+    if spec.calibration_file:
+        calibrate_lib.load_calibration(spec.calibration_file)
+
+
 def load_drafter(spec: SpecConfig, target: ModelConfig):
     """(drafter, hot token ids) of `spec.drafter` (an HF-EAGLE export), or (None, None).
 
