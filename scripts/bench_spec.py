@@ -74,6 +74,13 @@ def main(argv):
         config = spec_bench.SpecBenchConfig(**{name: FLAGS[name].value for name in names})
     except ValueError as e:
         raise app.UsageError(f"--{e}") from e  # the message starts with the field = flag name
+    # Before the model loads. The default GSM8K folder may be absent (arithmetic questions
+    # instead, said in the JSON); one given on the command line must hold the test split.
+    if FLAGS["gsm8k_dir"].present and not (Path(FLAGS.gsm8k_dir) / "test.jsonl").is_file():
+        raise app.UsageError(f"--gsm8k_dir={FLAGS.gsm8k_dir!r} has no test.jsonl")
+    if FLAGS.drafter and not (Path(FLAGS.drafter) / "config.json").is_file():
+        raise app.UsageError(f"--drafter={FLAGS.drafter!r} is not an HF-EAGLE export (no "
+                             "config.json in it)")  # fmt: skip
     command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
     print(f"command: {command}", flush=True)
     result = {"command": command, **spec_bench.run(config)}
