@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from tlt_jax.files import write_text_atomic
 from tlt_jax.models.checkpoints import (
     _LAYER_EXPORT,
     _LAYER_TENSORS,
@@ -98,13 +99,18 @@ def export_eagle(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    remove_weight_files(out)  # an earlier export's index would shadow the new file
     config = drafter_config(target_config).replace(param_dtype="float32")
     hf = config.to_hf_dict()
     hf["architectures"] = [EAGLE_ARCHITECTURES[config.model_type]]
     tensors = eagle_state_dict(params, target_config, zero_fc_bias=zero_fc_bias)
-    safetensors.numpy.save_file(tensors, str(out / "model.safetensors"), {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    # Each file is whole on disk before it is renamed into place: a kill mid-export leaves
+    # the earlier export or the new one readable, never half a file.
+    tmp = out / "model.safetensors.tmp"
+    safetensors.numpy.save_file(tensors, str(tmp), {"format": "pt"})
+    os.replace(tmp, out / "model.safetensors")
+    # An earlier sharded export's index would shadow the new file (read first).
+    remove_weight_files(out, keep=("model.safetensors",))
+    write_text_atomic(out / "config.json", json.dumps(hf, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tlt_jax.files import write_text_atomic
+
 HOT_VOCAB_FILE = "hot_vocab.json"
 
 
@@ -71,7 +73,7 @@ def save_hot_vocab(out_dir: str | os.PathLike, counts_V: np.ndarray) -> Path:
     seen = np.flatnonzero(counts_V)
     order = seen[np.argsort(-counts_V[seen], kind="stable")]
     path = Path(out_dir) / HOT_VOCAB_FILE
-    path.write_text(json.dumps({
+    write_text_atomic(path, json.dumps({
         "vocab_size": int(counts_V.shape[0]),
         "total_tokens": int(counts_V.sum()),
         "token_ids": order.tolist(),

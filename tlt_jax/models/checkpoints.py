@@ -535,13 +535,14 @@ def hf_state_dict(model: Transformer) -> dict[str, np.ndarray]:
     return out
 
 
-def remove_weight_files(directory: Path) -> None:
+def remove_weight_files(directory: Path, keep: tuple[str, ...] = ()) -> None:
     """Deletes the safetensors weights an earlier export left in `directory` (single file,
-    `model-*-of-*` shards, index): a stale `model.safetensors.index.json` would take
-    precedence over a new single-file export, as `SafetensorsSource` reads the index first."""
+    `model-*-of-*` shards, index) but the names in `keep`: a stale
+    `model.safetensors.index.json` would take precedence over a new single-file export, as
+    `SafetensorsSource` reads the index first."""
     stale = [directory / "model.safetensors.index.json", directory / "model.safetensors"]
     for path in [*stale, *directory.glob("model-*-of-*.safetensors")]:
-        if path.is_file():
+        if path.is_file() and path.name not in keep:
             path.unlink()
 
 
