@@ -123,6 +123,29 @@ def test_a_damaged_checkpoint_is_named_as_damaged_with_the_step_to_resume_from(t
     reopened.close()
 
 
+def test_a_checkpoint_missing_a_part_is_named_as_damaged(tmp_path):
+    """A whole part lost (an interrupted copy): orbax raised a KeyError ('Item "data" was not
+    found') or a FileNotFoundError naming neither the step nor what to do."""
+    import shutil
+
+    checkpointer = RunCheckpointer(tmp_path, async_save=False)
+    for step in (1, 2, 3):
+        checkpointer.save(step, _state().replace(step=jnp.int32(step)),
+                          {"epoch": 0, "index": step}, {"model": {"preset": "tiny"}})  # fmt: skip
+    checkpointer.close()
+    shutil.rmtree(tmp_path / "3" / "data")
+    (tmp_path / "2" / "state" / "_METADATA").unlink()
+    (tmp_path / "2" / "state" / "manifest.ocdbt").unlink()
+    reopened = RunCheckpointer(tmp_path, read_only=True)
+    with pytest.raises(ValueError, match=rf"{tmp_path}/3 cannot be read \(its \['data'\] part "
+                                         r"is missing.*resume from step 2"):  # fmt: skip
+        reopened.restore(_state())
+    with pytest.raises(ValueError, match=rf"{tmp_path}/2 cannot be read .*resume from step 1"):
+        reopened.restore(_state(), step=2)
+    assert reopened.restore(_state(), step=1).step == 1
+    reopened.close()
+
+
 def _env():
     return {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}:{REPO}"}
 

@@ -246,6 +246,17 @@ def test_gsm8k_malformed_line_names_file_and_line(tmp_path):
         pipeline.load_split("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=raw)
 
 
+def test_an_empty_gsm8k_split_file_is_named(tmp_path):
+    """An empty test.jsonl failed loading the train split with TFDS's 'No examples were
+    yielded' for the test split, naming neither the file nor the flag."""
+    raw = tmp_path / "raw"
+    _write_jsonl(raw, "train.jsonl", [{"question": "q", "answer": "#### 1"}])
+    (raw / "test.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"GSM8K file .*test\.jsonl' holds no examples; set "
+                                         r"--config\.data\.data_dir"):  # fmt: skip
+        pipeline.load_split("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=raw)
+
+
 @pytest.mark.parametrize("line", ['[1, 2]', '"text"', '{"question": null, "answer": "#### 3"}',
                                   '{"question": "q", "answer": 3}'])  # fmt: skip
 def test_gsm8k_row_of_the_wrong_type_names_file_and_line(tmp_path, line):

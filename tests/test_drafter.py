@@ -404,6 +404,13 @@ def test_training_reduces_loss_and_checkpoint_resumes(train_buffer, embed_head, 
     other = DrafterCheckpointer(tmp_path / "ckpt", CONFIG.replace(rope_theta=500.0))
     with pytest.raises(ValueError, match="rope_theta"):
         other.restore(fresh)
+    # A field only the checkpoint records is named too (the message said "differ at {}").
+    stored_only = DrafterCheckpointer(tmp_path / "ckpt2", CONFIG)
+    stored_only._metadata["from_a_newer_version"] = 1
+    stored_only.save(fresh, force=True)
+    stored_only.close()
+    with pytest.raises(ValueError, match=r"'from_a_newer_version': \(1, None\)"):
+        DrafterCheckpointer(tmp_path / "ckpt2", CONFIG).check()
 
 
 # ----------------------------------------------------------------------------- export

@@ -197,6 +197,12 @@ class RunCheckpointer(_Checkpointer):
             step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))  # fmt: skip
         return dict(restored[item])
 
+    def _resume_hint(self, step: int) -> str:
+        """What a user can do about an unreadable checkpoint `step`."""
+        earlier = [s for s in self.all_steps() if s < step]
+        return (f"move it aside to resume from step {earlier[-1]}" if earlier
+                else "no earlier checkpoint is here")  # fmt: skip
+
     def restore(self, like: Any, step: int | None = None, *, drafter_like: Any = None
                 ) -> Restored | None:  # fmt: skip
         """The checkpoint at `step` (default latest) laid out like `like`; None if there is none.
@@ -222,8 +228,19 @@ class RunCheckpointer(_Checkpointer):
         has_buffer = has_drafter and (self.directory / str(step) / "drafter_buffer").exists()
         if has_buffer:  # host arrays of the shapes they were saved with
             items["drafter_buffer"] = ocp.args.StandardRestore()
+        missing = [item for item in ("state", "data", "config")
+                   if not (self.directory / str(step) / item).is_dir()]  # fmt: skip
+        if missing:  # orbax would raise a KeyError naming neither the step nor what to do
+            raise ValueError(f"checkpoint {self.directory}/{step} cannot be read (its "
+                             f"{missing} part is missing: files lost after it was saved); "
+                             f"{self._resume_hint(step)}")  # fmt: skip
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except FileNotFoundError as e:  # a part's own files lost (its metadata, an array)
+            raise ValueError(
+                f"checkpoint {self.directory}/{step} cannot be read (files lost "
+                f"after it was saved); {self._resume_hint(step)}: {e}"
+            ) from e
         except ValueError as e:  # orbax names a shape, not the checkpoint or its run
             if self._fits(step, "state", like) is not False and (
                     not has_drafter or self._fits(step, "drafter", drafter_like) is not False
@@ -231,12 +248,9 @@ class RunCheckpointer(_Checkpointer):
                 # Arrays of this run's paths and shapes, or arrays whose own metadata cannot be
                 # read: files lost or damaged after the save committed (a save cut short is
                 # never a step), not a checkpoint of another model.
-                earlier = [s for s in self.all_steps() if s < step]
-                where = (f"move it aside to resume from step {earlier[-1]}" if earlier
-                         else "no earlier checkpoint is here")  # fmt: skip
                 raise ValueError(
                     f"checkpoint {self.directory}/{step} cannot be read (files lost or damaged "
-                    f"after it was saved, not another model's); {where}: {e}"
+                    f"after it was saved, not another model's); {self._resume_hint(step)}: {e}"
                 ) from e
             model = (self.read_config(step) or {}).get("model")
             raise ValueError(
@@ -256,8 +270,8 @@ class RunCheckpointer(_Checkpointer):
         None when that metadata cannot be read (it lives in the array store too)."""
         try:
             shapes = self.read_shapes(item, step)
-        except ValueError:  # tensorstore's read errors (NOT_FOUND, DATA_LOSS, ...)
-            return None
+        except (ValueError, FileNotFoundError):  # tensorstore's read errors (NOT_FOUND,
+            return None  # DATA_LOSS, ...), orbax's for a lost _METADATA
         return shapes == tree_paths(like)
 
     def _target(self, like):
@@ -329,8 +343,8 @@ class DrafterCheckpointer(_Checkpointer):
         policy = (stored.pop("policy_weights", None), expected.pop("policy_weights", None))
         policy = (policy[0], policy_weights or policy[1])
         if stored != expected:
-            diff = {k: (stored.get(k), v) for k, v in expected.items()
-                    if stored.get(k) != v}  # fmt: skip
+            diff = {k: (stored.get(k), expected.get(k)) for k in sorted(stored.keys() | expected)
+                    if stored.get(k) != expected.get(k)}  # fmt: skip
             raise ValueError(
                 f"checkpoint {self.directory}/{step} is for another drafter: "
                 f"(checkpoint, expected) differ at {diff}"

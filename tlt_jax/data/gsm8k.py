@@ -112,8 +112,10 @@ def read_jsonl(path: epath.Path) -> Iterator[tuple[int, dict]]:
 
     Returns:
       An iterator of `(line_index, {"question", "answer", "solution"})`, blank lines skipped.
-      A malformed line raises `ValueError` naming the file and line number.
+      A malformed line raises `ValueError` naming the file and line number, and so does a
+      file without examples.
     """
+    examples = 0
     with path.open() as file:
         for line_index, line in enumerate(file):
             if not line.strip():
@@ -134,7 +136,11 @@ def read_jsonl(path: epath.Path) -> Iterator[tuple[int, dict]]:
                 }
             except (json.JSONDecodeError, KeyError, ValueError) as error:
                 raise ValueError(f"{os.fspath(path)}:{line_index + 1}: {error}") from error
+            examples += 1
             yield line_index, example
+    if not examples:  # TFDS would fail the whole build naming neither the file nor the flag
+        raise ValueError(f"GSM8K file {os.fspath(path)!r} holds no examples; set "
+                         f"{DATA_DIR_FLAG} to a folder whose split files hold them")  # fmt: skip
 
 
 class Gsm8k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
