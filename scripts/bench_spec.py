@@ -78,9 +78,13 @@ def main(argv):
     # instead, said in the JSON); one given on the command line must hold the test split.
     if FLAGS["gsm8k_dir"].present and not (Path(FLAGS.gsm8k_dir) / "test.jsonl").is_file():
         raise app.UsageError(f"--gsm8k_dir={FLAGS.gsm8k_dir!r} has no test.jsonl")
-    if FLAGS.drafter and not (Path(FLAGS.drafter) / "config.json").is_file():
-        raise app.UsageError(f"--drafter={FLAGS.drafter!r} is not an HF-EAGLE export (no "
-                             "config.json in it)")  # fmt: skip
+    if FLAGS.drafter:
+        from tlt_jax.drafter.export import check_eagle_dir
+
+        try:
+            check_eagle_dir(FLAGS.drafter, "--drafter")
+        except FileNotFoundError as e:
+            raise app.UsageError(str(e)) from e
     command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
     print(f"command: {command}", flush=True)
     result = {"command": command, **spec_bench.run(config)}

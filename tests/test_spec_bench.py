@@ -349,7 +349,7 @@ def test_generate_refuses_an_unwritable_output_before_loading_the_model(tmp_path
         generate.run(config)
     config = generate.GenerateConfig(model="tiny", prompts=str(prompts), output=str(output),
                                      draft="eagle", drafter=str(tmp_path / "a_dir"))  # fmt: skip
-    with pytest.raises(FileNotFoundError, match="--drafter=.*a_dir' is not an exported HF-EAGLE"):
+    with pytest.raises(FileNotFoundError, match="--drafter=.*a_dir' is not an HF-EAGLE export"):
         generate.run(config)
     assert not output.exists()
 

@@ -116,6 +116,15 @@ def export_eagle(
     return out
 
 
+def check_eagle_dir(path: str | os.PathLike, flag: str) -> Path:
+    """`path` as an HF-EAGLE export folder, or a FileNotFoundError naming `flag`: a check of
+    its config.json that callers run before the policy loads (the weights are read after)."""
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"{flag}={os.fspath(path)!r} is not an HF-EAGLE export (no "
+                                "config.json in it; train_drafter.py writes one)")  # fmt: skip
+    return Path(path)
+
+
 def load_eagle_config(path: str | os.PathLike) -> ModelConfig:
     """The drafter `ModelConfig` of an EAGLE directory (one layer).
 

@@ -187,9 +187,10 @@ def check_spec_files(spec: SpecConfig) -> None:
     """Names a `spec.drafter` folder that is no HF-EAGLE export and a `spec.calibration_file`
     that cannot be read, before the policy loads (the drafter and the threshold are read only
     after it)."""
-    if spec.drafter and not (Path(spec.drafter) / "config.json").is_file():
-        raise FileNotFoundError(f"spec.drafter={spec.drafter!r} is not an HF-EAGLE export "
-                                "(no config.json; train_drafter.py writes one)")  # fmt: skip
+    if spec.drafter:
+        from tlt_jax.drafter.export import check_eagle_dir
+
+        check_eagle_dir(spec.drafter, "spec.drafter")
     if spec.calibration_file:
         calibrate_lib.load_calibration(spec.calibration_file)
 

@@ -127,9 +127,10 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     rows = read_prompt_rows(config.prompts)
     tokenizer = checkpoints.load_tokenizer(config.model)
     requests = build_requests(tokenizer, rows, config)
-    if config.drafter and not (Path(config.drafter) / "config.json").is_file():
-        raise FileNotFoundError(f"--drafter={config.drafter!r} is not an exported HF-EAGLE "
-                                "drafter directory (no config.json in it)")  # fmt: skip
+    if config.drafter:
+        from tlt_jax.drafter.export import check_eagle_dir
+
+        check_eagle_dir(config.drafter, "--drafter")
     model = checkpoints.load_model(config.model, param_dtype=config.dtype, dtype=config.dtype)
     drafter, hot_ids = None, None
     if config.source in ("eagle", "hybrid"):
