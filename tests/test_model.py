@@ -532,6 +532,30 @@ def test_a_gguf_file_is_parsed_once_while_unchanged(tmp_path):
     assert checkpoints.gguf_source(path) is not first
 
 
+def test_a_llama_gguf_without_kv_head_count_has_as_many_kv_heads_as_heads(tmp_path):
+    """llama.cpp writes `llama.attention.head_count_kv` only when the HF config names
+    num_key_value_heads; the config then read as many kv heads as heads, but un-permuting k
+    looked the count up with no default and crashed (int(None))."""
+    import gguf
+
+    heads, head_dim = 2, 4
+    k_hf = np.arange(heads * head_dim * 8, dtype=np.float32).reshape(heads * head_dim, 8)
+    # llama.cpp's permutation of q/k rows (convert_hf_to_gguf.py's `permute`).
+    k_gguf = (k_hf.reshape(heads, 2, head_dim // 2, 8).swapaxes(1, 2)
+              .reshape(k_hf.shape))  # fmt: skip
+    path = tmp_path / "no_kv_count.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_head_count(heads)  # and no add_head_count_kv
+    writer.add_tensor("blk.0.attn_k.weight", k_gguf)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    source = checkpoints.gguf_source(path)
+    np.testing.assert_array_equal(source.read("model.layers.0.self_attn.k_proj.weight"), k_hf)
+
+
 @pytest.mark.parametrize("qtype", ["I8", "IQ4_NL"])
 def test_gguf_unsupported_quantisation(tmp_path, qtype, no_compiles):
     import gguf

@@ -261,8 +261,11 @@ class GGUFSource:
             ("q_proj.weight", "k_proj.weight")
         ):
             # llama.cpp interleaves the rotary halves of q/k rows; undo it for rotate-half RoPE.
-            heads_key = "head_count" if name.endswith("q_proj.weight") else "head_count_kv"
-            heads = int(self.field(f"llama.attention.{heads_key}"))
+            # As `config()` reads it: a file without head_count_kv (llama.cpp writes it only
+            # when the HF config names num_key_value_heads) has as many kv heads as heads.
+            heads = int(self.field("llama.attention.head_count"))
+            if name.endswith("k_proj.weight"):
+                heads = int(self.field("llama.attention.head_count_kv", heads))
             rows = array.shape[0]
             array = (
                 array.reshape(heads, rows // heads // 2, 2, *array.shape[1:])
