@@ -26,7 +26,9 @@ flags.DEFINE_integer("max_new_tokens", 256, "Tokens to generate per prompt at mo
 flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus mass (1 disables).")
 flags.DEFINE_integer("top_k", 0, "Top-k (0 disables).", lower_bound=0)
-flags.DEFINE_integer("seed", 0, "Request i samples with seed + i.")
+flags.DEFINE_integer(
+    "seed", 0, "Request i samples with seed + i.", lower_bound=0, upper_bound=2**32 - 1
+)  # a request's PRNG stream is keyed by a uint32
 flags.DEFINE_integer("max_batch_size", 32, "Concurrent requests (slots).", lower_bound=1)
 flags.DEFINE_integer(
     "max_seq_len", 2048, "Prompt + generated tokens per request at most.", lower_bound=1

@@ -179,6 +179,14 @@ def test_max_new_tokens_one(engine):
         (lambda: EngineConfig(max_batch_size=0), "max_batch_size=0"),
         (lambda: EngineConfig(max_batch_size=True), "max_batch_size=True"),
         (lambda: Request([1, 2], True), "max_new_tokens=True"),
+        # Failed after the first compile, naming neither request nor field, or were silently
+        # truncated / folded into 32 bits.
+        (lambda: Request([1, 2], 3, seed=1.5), r"seed=1\.5 must be an integer in \[0, 2\*\*32\)"),
+        (lambda: Request([1, 2], 3, seed=2**32 + 5), r"seed=4294967301 must be"),
+        (lambda: Request([1, 2], 3, seed=-1), r"seed=-1 must be"),
+        (lambda: Request([1, 2], 3, sampling=None), "sampling=None must be a SamplingParams"),
+        (lambda: Request([1.7, True], 3), r"prompt_ids holds \[1\.7, True\]; token ids are"),
+        (lambda: Request([1, 2], 3, stop_ids=5), "stop_ids=5 must be a sequence of token ids"),
     ],
 )
 def test_bad_request_values(make, message):

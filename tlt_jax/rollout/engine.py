@@ -43,7 +43,7 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -215,13 +215,27 @@ class Request:
     seed: int = 0
 
     def __post_init__(self):
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
-        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        for field in ("prompt_ids", "stop_ids"):
+            ids = getattr(self, field)
+            if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+                raise ValueError(f"{field}={ids!r} must be a sequence of token ids")
+            ids = tuple(ids)
+            bad = [t for t in ids if not _is_int(t)]
+            if bad:  # int() would truncate 1.7 and True into token ids
+                raise ValueError(f"{field} holds {bad[:3]!r}; token ids are integers")
+            object.__setattr__(self, field, tuple(int(t) for t in ids))
         if not self.prompt_ids:
             raise ValueError("prompt_ids is empty; a request needs at least one prompt token")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling={self.sampling!r} must be a SamplingParams")
+        # The request's PRNG stream is keyed by a uint32: a wider seed would be folded into
+        # one, silently (5 and 5 + 2**32 sampled the same tokens).
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed={self.seed!r} must be an integer in [0, 2**32)")
+        object.__setattr__(self, "seed", int(self.seed))
 
 
 @dataclasses.dataclass
@@ -906,7 +920,7 @@ class RolloutEngine:
             row_ids[i], slot_ids[i] = rows[run.request.prompt_ids], slot
             s = run.request.sampling
             temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
-            seeds[i] = np.uint32(run.request.seed & 0xFFFFFFFF)
+            seeds[i] = np.uint32(run.request.seed)
         greedy = bool(np.all(temperature[: len(batch)] == 0))
         filtering = needs_filtering(run.request.sampling for run in batch)
         args = (self.params, self.drafter_params, self.state, tokens, lens, row_ids, slot_ids,
