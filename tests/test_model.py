@@ -11,6 +11,7 @@ Tolerances (float32 everywhere):
 """
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -353,6 +354,33 @@ def test_export_loads_in_transformers_and_back(tiny, kind, tmp_path):
         nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(again)), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), path)
+
+
+def test_an_export_with_its_tokenizer_tells_hf_where_to_stop(tiny, tmp_path):
+    """config.json carries the tokenizer's bos / eos and generation_config.json the ids the
+    rollouts stop on; without them HF's defaults applied (an exported Llama stopped on id 2)."""
+
+    class Tokenizer:  # the attributes `export_hf` and `stop_token_ids` read
+        bos_token_id, eos_token_id = 1, 0
+        vocab = {"<|im_end|>": 5, "<|endoftext|>": 0}
+
+        def convert_tokens_to_ids(self, token):
+            return self.vocab.get(token)
+
+        def convert_ids_to_tokens(self, token_id):
+            return {v: k for k, v in self.vocab.items()}.get(token_id)
+
+        def save_pretrained(self, path):
+            (Path(path) / "tokenizer_saved").write_text("")
+
+    model = tiny["llama_llama3_untied"][2]
+    out = checkpoints.export_hf(model, tmp_path / "export", tokenizer=Tokenizer())
+    generation = transformers.GenerationConfig.from_pretrained(str(out))
+    assert generation.eos_token_id == [0, 5] and generation.bos_token_id == 1
+    hf_config = transformers.AutoConfig.from_pretrained(str(out))
+    assert (hf_config.bos_token_id, hf_config.eos_token_id) == (1, 0)
+    assert (out / "tokenizer_saved").is_file()
+    assert checkpoints.load_model(out).config == model.config
 
 
 def test_export_in_shards_round_trips(tiny, tmp_path):

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from tlt_jax.files import write_text_atomic
 from tlt_jax.models import transformer as transformer_lib
 from tlt_jax.models.config import ModelConfig, RopeScaling, config_from_hf_dict
 from tlt_jax.models.transformer import Transformer
@@ -556,7 +557,13 @@ def export_hf(
     tokenizer=None,
     max_shard_bytes: int = 2 * 1024**3,
 ) -> Path:
-    """Writes an HF directory (config.json + safetensors, sharded past `max_shard_bytes`)."""
+    """Writes an HF directory (config.json + safetensors, sharded past `max_shard_bytes`).
+
+    With `tokenizer`, also the tokenizer's files, its bos / eos ids in config.json, and a
+    generation_config.json whose eos ids are what this project's rollouts stop on
+    (`stop_token_ids`: eos and the chat turn's end), so HF's `generate()` on the export stops
+    where training did (without them HF's class defaults apply: Llama's eos 2, Qwen2's none).
+    """
     import safetensors.numpy
 
     out = Path(out_dir)
@@ -582,10 +589,20 @@ def export_hf(
             weight_map.update(dict.fromkeys(shard, fname))
         total = sum(v.nbytes for v in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (out / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+        write_text_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2))
+    hf = config.to_hf_dict()
     if tokenizer is not None:
+        from tlt_jax.data.tokenizer import stop_token_ids
+
+        special = {"bos_token_id": getattr(tokenizer, "bos_token_id", None),
+                   "eos_token_id": getattr(tokenizer, "eos_token_id", None)}  # fmt: skip
+        special = {k: v for k, v in special.items() if v is not None}
+        hf.update(special)
+        stops = list(stop_token_ids(tokenizer))
+        generation = {**special, "eos_token_id": stops[0] if len(stops) == 1 else stops}
+        write_text_atomic(out / "generation_config.json", json.dumps(generation, indent=2))
         tokenizer.save_pretrained(str(out))
+    write_text_atomic(out / "config.json", json.dumps(hf, indent=2))
     return out
 
 
