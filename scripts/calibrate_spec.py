@@ -29,12 +29,11 @@ flags.DEFINE_integer(
     "verify_tokens",
     0,
     "Tree tokens per verify step (0: the smallest budget of the config's spec.strategies).",
+    lower_bound=0,
 )
 flags.DEFINE_float("max_cost_ratio", 2.0, "SD is tried where verify / plain is below this.")
 flags.register_validator("max_cost_ratio", lambda v: math.isfinite(v) and v > 0,
                          "--max_cost_ratio must be a finite number > 0")  # fmt: skip
-flags.register_validator("verify_tokens", lambda v: v >= 0,
-                         "--verify_tokens must be >= 0 (0: the smallest tree)")  # fmt: skip
 flags.DEFINE_integer(
     "max_batch", 0, "Largest batch bucket timed (0: the engine's largest).", lower_bound=0
 )

@@ -345,7 +345,9 @@ def test_generate_refuses_an_unwritable_output_before_loading_the_model(tmp_path
     output = tmp_path / "out" / "o.jsonl"
     config = generate.GenerateConfig(model="tiny", prompts=str(prompts), output=str(output),
                                      max_seq_len=8, max_new_tokens=4)  # fmt: skip
-    with pytest.raises(ValueError, match="prompt 0 is .* tokens: with max_new_tokens=4 it exceeds"):
+    with pytest.raises(
+        ValueError, match=r"requests\[0\]: prompt length .* \+ max_new_tokens 4 = .* exceeds"
+    ):
         generate.run(config)
     config = generate.GenerateConfig(model="tiny", prompts=str(prompts), output=str(output),
                                      draft="eagle", drafter=str(tmp_path / "a_dir"))  # fmt: skip

@@ -55,9 +55,10 @@ class EvalResult:
         n, acc = self.num_problems, self.accuracy
         if n and acc in (0.0, 1.0):
             # The binomial error is 0 here, which says nothing: give the 95% Wilson bound.
-            low, high = wilson_interval(round(acc * n), n)
+            correct = round(acc * n)
+            low, high = wilson_interval(correct, n)
             bound = f"95% upper bound {high:.3f}" if acc == 0 else f"95% lower bound {low:.3f}"
-            spread = f"({round(acc * n)} of {n} correct; {bound}, Wilson)"
+            spread = f"({correct} of {n} correct; {bound}, Wilson)"
             return f"{acc:.3f} {spread} (mean length {self.mean_length:.1f} tokens)"
         return (f"{acc:.3f} +- {self.stderr:.3f} (n={n}, "
                 f"mean length {self.mean_length:.1f} tokens)")  # fmt: skip

@@ -238,6 +238,27 @@ class Request:
         object.__setattr__(self, "seed", int(self.seed))
 
 
+def check_requests(requests: Sequence[Request], max_seq_len: int,
+                   vocab_size: int | None = None) -> None:  # fmt: skip
+    """Checks every request against a context of `max_seq_len` and, when given, the vocabulary
+    (`RolloutEngine.validate`; callers that know the sizes before the model loads call it
+    then), naming the request."""
+    for i, req in enumerate(requests):
+        if not isinstance(req, Request):
+            raise TypeError(f"requests[{i}] is {type(req).__name__}; expected Request")
+        total = len(req.prompt_ids) + req.max_new_tokens
+        if total > max_seq_len:
+            raise ValueError(
+                f"requests[{i}]: prompt length {len(req.prompt_ids)} + max_new_tokens "
+                f"{req.max_new_tokens} = {total} exceeds the context length "
+                f"max_seq_len={max_seq_len}"
+            )
+        if vocab_size is not None:
+            bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"requests[{i}]: token ids {bad[:5]} outside [0, {vocab_size})")
+
+
 @dataclasses.dataclass
 class Completion:
     """The result of one request, in the order the requests were given."""
@@ -1006,20 +1027,7 @@ class RolloutEngine:
 
     def validate(self, requests: Sequence[Request]) -> None:
         """Checks every request against the engine's sizes (before anything compiles)."""
-        vocab = self.model_config.vocab_size
-        for i, req in enumerate(requests):
-            if not isinstance(req, Request):
-                raise TypeError(f"requests[{i}] is {type(req).__name__}; expected Request")
-            total = len(req.prompt_ids) + req.max_new_tokens
-            if total > self.config.max_seq_len:
-                raise ValueError(
-                    f"requests[{i}]: prompt length {len(req.prompt_ids)} + max_new_tokens "
-                    f"{req.max_new_tokens} = {total} exceeds the context length "
-                    f"max_seq_len={self.config.max_seq_len}"
-                )
-            bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"requests[{i}]: token ids {bad[:5]} outside [0, {vocab})")
+        check_requests(requests, self.config.max_seq_len, self.model_config.vocab_size)
 
     def generate(self, requests: Sequence[Request], *, progress: bool | None = None
                  ) -> list[Completion]:  # fmt: skip

@@ -21,6 +21,7 @@ from tlt_jax.rollout.engine import (
     EngineConfig,
     Request,
     RolloutEngine,
+    check_requests,
 )
 from tlt_jax.rollout.sampling import SamplingParams
 from tlt_jax.rollout.speculative import SpecStrategy
@@ -102,20 +103,8 @@ def build_requests(
         ids = encode.encode_row(row)
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens; expected a non-empty prompt")
-        if len(ids) + config.max_new_tokens > config.max_seq_len:  # before the model loads
-            raise ValueError(
-                f"prompt {i} is {len(ids)} tokens: with max_new_tokens={config.max_new_tokens} "
-                f"it exceeds max_seq_len={config.max_seq_len}; shorten it or raise --max_seq_len"
-            )  # fmt: skip
         requests.append(Request(ids, config.max_new_tokens, sampling, stops, config.seed + i))
     return requests
-
-
-def check_output(path: str) -> None:
-    """Fails now, naming `--output`, if the results could not be written there after the run
-    (a directory, or a folder that cannot be made or written into); writes no file, so a run
-    that fails leaves no empty output behind."""
-    check_output_file(path, "--output")
 
 
 def run(config: GenerateConfig) -> dict[str, Any]:
@@ -123,10 +112,11 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     from tlt_jax.models import checkpoints
 
     if config.output:  # before the model loads and the programs compile
-        check_output(config.output)
+        check_output_file(config.output, "--output")  # writes no file: a failure leaves none
     rows = read_prompt_rows(config.prompts)
     tokenizer = checkpoints.load_tokenizer(config.model)
     requests = build_requests(tokenizer, rows, config)
+    check_requests(requests, config.max_seq_len)  # the vocabulary once the model is loaded
     if config.drafter:
         from tlt_jax.drafter.export import check_eagle_dir
 
