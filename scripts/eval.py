@@ -21,7 +21,7 @@ config_flags.DEFINE_config_file(
 )
 flags.DEFINE_string("workdir", None, "A training run's workdir (its latest checkpoint).")
 flags.DEFINE_integer(
-    "num_problems", None, "Problems to score (default: config eval.num_problems).", lower_bound=0
+    "num_problems", None, "Problems to score (default: config eval.num_problems).", lower_bound=1
 )
 flags.mark_flags_as_required(["config"])
 

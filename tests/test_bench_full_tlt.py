@@ -61,6 +61,33 @@ def test_ratios_by_hand_over_measured_steps_of_each_pair():
     assert bft.summarize(runs, warmup=2)["step_speedup"] is None
 
 
+def test_long_tail_ratio_needs_one_threshold_and_acceptance_is_pooled_by_rows():
+    runs = {
+        "plain": {0: [_row(1, 9.0, 5.0, 100), _row(2, 9.0, 5.0, 100, tail=4.0)]},
+        "tlt": {0: [_row(1, 9.0, 5.0, 100), _row(2, 8.0, 4.0, 100, tail=2.0)]},
+    }
+    for rows, threshold in ((runs["plain"][0], 32), (runs["tlt"][0], 8)):
+        for r in rows:
+            r["sd_threshold"] = threshold
+    s = bft.summarize(runs, warmup=1)
+    # Tails counted at 32 and at 8 running requests are no ratio; the thresholds are named.
+    assert s["long_tail_speedup"] is None
+    assert s["long_tail_thresholds"] == {"plain": [32], "tlt": [8]}
+    runs["plain"][0][1]["sd_threshold"] = 8
+    assert bft.summarize(runs, warmup=1)["long_tail_speedup"]["runs"] == [2.0]
+    # Acceptance over the run's SD rows: a step with 1 row at 3.0 and one with 9 rows at 1.0
+    # give 1.2 (the steps' mean would be 2.0); a step without SD of the source counts no row.
+    tlt = runs["tlt"][0]
+    tlt.append(_row(3, 8.0, 4.0, 100))
+    runs["plain"][0].append(_row(3, 9.0, 5.0, 100))
+    tlt[1].update(accept_len_ngram=3.0, sd_rows_ngram=1, sd_steps=1, decode_steps=10)
+    tlt[2].update(accept_len_ngram=1.0, sd_rows_ngram=9, sd_steps=9, decode_steps=90)
+    s = bft.summarize(runs, warmup=1)
+    assert s["tlt_accept_len_ngram"] == pytest.approx(1.2)
+    assert s["tlt_accept_len_eagle"] is None
+    assert s["tlt_sd_step_share"] == pytest.approx(0.1)
+
+
 def test_refuses_a_used_workdir_and_nothing_to_measure(tmp_path):
     (tmp_path / "0_plain").mkdir()
     (tmp_path / "0_plain" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")

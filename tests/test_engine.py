@@ -110,6 +110,21 @@ def test_no_retrace_in_steady_state(engine):
     assert engine.stats.compile_seconds > 0
 
 
+def test_timeline_rows_carry_the_compile_seconds_inside_each_step(model):
+    """Every second the engine compiled during a generate is in exactly one timeline row (the
+    step it held up, prefill's in the step after it), so the tail figures can leave it out."""
+    eng = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=128, min_kv_bucket=16))
+    before = eng.stats.compile_seconds
+    eng.generate(random_requests(np.random.default_rng(3), 3))
+    rows = eng.stats.timeline
+    assert all(len(row) == 4 and row[3] >= 0 for row in rows)
+    assert sum(row[3] for row in rows) == pytest.approx(eng.stats.compile_seconds - before)
+    assert rows[0][3] > 0  # the first step compiled (and prefill before it)
+    # A second generate compiles nothing: its rows carry no compile seconds.
+    eng.generate(random_requests(np.random.default_rng(3), 3))
+    assert sum(row[3] for row in eng.stats.timeline) == 0.0
+
+
 def test_decode_cost_follows_context(model):
     eng = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=1024, min_kv_bucket=32))
     eng.generate([Request([1, 2, 3], 10), Request([4, 5], 3)])

@@ -74,7 +74,8 @@ def test_rollout_timeline_shades_sd_steps_and_keeps_the_timeline(tmp_path):
     assert {k: doc[k] for k in stats} == pytest.approx(stats)
     assert 0.0 < doc["long_tail_share"] < 1.0 and doc["sd_tail_s"] > 0.0
     rows, threshold = plots.load_timeline(paths[0])
-    assert threshold == THRESHOLD and rows == [(pytest.approx(t), n, a) for t, n, a in timeline]
+    assert threshold == THRESHOLD
+    assert rows == [(pytest.approx(t), n, a, 0.0) for t, n, a in timeline]
 
     # The n-gram steps are shaded in their colour; a plain rollout has none of it.
     plain = plots.plot_rollout_timeline(synthetic_timeline("plain"), THRESHOLD,
@@ -117,8 +118,24 @@ def test_timeline_rows_without_arm_are_plain(tmp_path):
     assert_png(path)
     assert greenish_pixels(path) == 0
     json_path, _ = plots.save_timeline(timeline, 3, tmp_path / "t.json")
-    assert plots.load_timeline(json_path)[0] == [(0.1, 8, "plain"), (0.2, 3, "plain"),
-                                                 (0.3, 1, "plain")]  # fmt: skip
+    assert plots.load_timeline(json_path)[0] == [(0.1, 8, "plain", 0.0), (0.2, 3, "plain", 0.0),
+                                                 (0.3, 1, "plain", 0.0)]  # fmt: skip
+    # A file written before the compile seconds column reads back with three fields.
+    doc = json.loads(json_path.read_text())
+    doc["rows"] = [row[:3] for row in doc["rows"]]
+    json_path.write_text(json.dumps(doc))
+    assert plots.load_timeline(json_path)[0][0] == (0.1, 8, "plain")
+
+
+def test_timeline_with_compiles_keeps_them_and_leaves_them_out_of_the_tail(tmp_path):
+    timeline = [(1.0, 8, "plain", 0.5), (2.0, 3, "plain", 0.0), (5.0, 1, "plain", 2.5)]
+    json_path, png = plots.save_timeline(timeline, 3, tmp_path / "t.json")
+    assert_png(png)
+    doc = json.loads(json_path.read_text())
+    assert doc["columns"][-1] == "compile_s" and doc["rows"][2] == [5.0, 1, "plain", 2.5]
+    # Without the 3 s of compiles the steps end at 0.5, 1.5, 2.0: the tail is 1.5 of 2 s.
+    assert doc["long_tail_share"] == pytest.approx(0.75) and doc["rollout_compile_s"] == 3.0
+    assert plots.load_timeline(json_path)[0] == timeline
 
 
 def test_arm_source():

@@ -229,6 +229,17 @@ def test_long_tail_share_and_seeds():
     assert stats["sd_tail_s"] == pytest.approx(4.0)
     assert timing.tail_stats(timeline, threshold=0)["long_tail_share"] == 0.0
     assert timing.tail_stats([], threshold=4)["long_tail_share"] == 0.0
+    # Compile seconds (the fourth field) stop the clock: 0.5 s in the first step and 2 s in
+    # the fourth (a tail step) leave steps ending at 0.5, 1.5, 3.5, 4.5, 5.5 s: 4 tail
+    # seconds of 5.5, SD 2 of them.
+    compiled = [(*row, c) for row, c in zip(timeline, [0.5, 0.0, 0.0, 2.0, 0.0], strict=True)]
+    stats = timing.tail_stats(compiled, threshold=4)
+    assert stats["long_tail_share"] == pytest.approx(4 / 5.5)
+    assert stats["long_tail_s"] == pytest.approx(4.0)
+    assert stats["rollout_decode_s"] == pytest.approx(5.5)
+    assert stats["sd_tail_s"] == pytest.approx(2.0)
+    assert stats["rollout_compile_s"] == pytest.approx(2.5)
+    assert timing.without_compiles(compiled)[3] == (pytest.approx(4.5), 2, "ngram:3,1,4")
     words = np.asarray([1, 2], np.uint32)
     np.testing.assert_array_equal(rollout_seeds(words, 3, 8), rollout_seeds(words, 3, 8))
     assert not np.array_equal(rollout_seeds(words, 3, 8), rollout_seeds(words, 4, 8))
@@ -364,7 +375,15 @@ def test_the_report_gives_the_runs_ratios_not_means_of_the_steps():
          "accept_len_ngram": 3.0, "sd_rows_ngram": 9, "step_time": 10.0},
     ]  # fmt: skip
     table = run.phase_table(records)
-    assert "over the run): 9.1%, 5.0 s/step; generated tokens/s in rollout: 17.3" in table
+    assert "over the run): 9.1%, 5.0 s/step; generated tokens/s in rollout: 17.3\n" in table
+    # With the compiles inside the steps recorded: their line, and tokens/s without them.
+    for r, compile_s, decode_tps in zip(records, [40.0, 1.0], [10.0, 90.0], strict=True):
+        r.update(compile_s=compile_s, rollout_compile_s=compile_s / 2,
+                 decode_tokens_per_s=decode_tps)  # fmt: skip
+    table = run.phase_table(records)
+    assert ("compiling inside the steps: 41.0 s (37.3% of the steps), 20.5 slice-s of it in "
+            "rollouts") in table  # fmt: skip
+    assert "generated tokens/s in rollout: 17.3 (17.3 in decode time without compiles)" in table
     # 10 SD steps of 110 decode steps; acceptance (1 * 1 + 3 * 9) / 10 rows.
     assert "SD in 9.1% of decode steps (10 steps); acceptance length ngram 2.80;" in table
     # Records written before the sums were recorded: the steps' mean, as before.
@@ -377,6 +396,20 @@ def test_the_report_gives_the_runs_ratios_not_means_of_the_steps():
     # A resumed run re-calibrated to another threshold: the line names both, not the last.
     records[1]["sd_threshold"] = 8
     assert "(decode time with <= 4-8 (by step) requests running" in run.phase_table(records)
+
+
+def test_pooled_acceptance_skips_steps_without_sd_of_the_source():
+    """A measured step whose tail never switched SD on has no `accept_len_eagle`: it is no
+    acceptance length of 0 (bench_tlt averaged it in as one: 1.5 for a run at 3.0)."""
+    records = [
+        {"sd_steps": 0, "decode_steps": 40},
+        {"accept_len_eagle": 3.0, "sd_rows_eagle": 4, "sd_steps": 2, "decode_steps": 60},
+    ]
+    assert timing.pooled_accept_len(records, "eagle") == 3.0
+    assert timing.pooled_accept_len(records, "ngram") is None
+    assert timing.pooled_sd_step_share(records) == pytest.approx(0.02)
+    # Records written before the sums: the steps' own shares, as before.
+    assert timing.pooled_sd_step_share([{"sd_step_share": 0.5}, {}]) == 0.25
 
 
 class RecordingSink:
@@ -810,6 +843,9 @@ def test_evaluate_run_scores_the_latest_checkpoint(tmp_path, monkeypatch):
     with _no_model_load("the missing workdir was named"):  # a typo is not the untrained model
         with pytest.raises(FileNotFoundError, match=r"workdir='.*/typo' is not a directory"):
             evaluate_run(tiny_config(), tmp_path / "typo")
+    with _no_model_load("num_problems=0 was refused"):  # it printed "nan +- nan (n=0)"
+        with pytest.raises(ValueError, match=r"num_problems=0 \(from eval.num_problems\)"):
+            evaluate_run(tiny_config(), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == files  # evaluation writes nothing
     # The checkpoint's weights are the trained ones; the untrained model's differ.
     run_weights, from_checkpoint, untrained = weights

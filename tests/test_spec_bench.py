@@ -245,7 +245,7 @@ def test_step_breakdown_alternates_plain_and_sd_runs(aligned, monkeypatch):
     assert out["plain_step_median_ms"] in [ms for p, ms in timed_runs if p == "PlainPolicy"]
     # The programs run on SD's state (two rounds end on a plain run: one more SD run follows).
     assert generates[-1] == "FixedPolicy", (sides, generates)
-    assert any(arm != "plain" for _, _, arm in engine.stats.timeline)
+    assert any(row[2] != "plain" for row in engine.stats.timeline)
     spread = out["engine_speedup_spread"]
     assert spread is not None and len(spread["runs"]) >= 1
 

@@ -73,7 +73,7 @@ def test_adaptive_greedy_rollout_equals_plain(pair, include_plain):
     stats = engine.stats
     assert stats.spec_steps > 0 and stats.decode_steps > 0
     # SD only in the tail: never with more than 4 running, and only after 2 steps there.
-    arms = [(n, arm) for _, n, arm in stats.timeline]
+    arms = [(row[1], row[2]) for row in stats.timeline]
     assert all(n <= 4 for n, arm in arms if arm != "plain")
     if not include_plain:
         assert set(stats.spec_rows_by_source) == set(SOURCES)

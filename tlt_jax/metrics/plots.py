@@ -3,16 +3,17 @@
 - From `metrics.jsonl` records: `write_plots` (the run's plots, `PLOT_FILES`) and
   `plot_tlt_vs_plain` (a TLT run against a plain run with the same seeds).
 - From one rollout's step timeline (`EngineStats.timeline`: (seconds since the rollout started,
-  running requests, arm) after every decode step): `plot_rollout_timeline`, the long tail as
-  users want to see it; `save_timeline` keeps the timeline as JSON next to its plot and
-  `load_timeline` reads it back to plot it again.
+  running requests, arm, compile seconds) after every decode step): `plot_rollout_timeline`,
+  the long tail as users want to see it; `save_timeline` keeps the timeline as JSON next to
+  its plot and `load_timeline` reads it back to plot it again.
 - From response lengths: `plot_length_histogram`.
 
 Empty inputs never raise: plots are drawn inside the training loop, where a missing metric must
 not end a run. A plot function given no data still writes its PNG, with its axes, title and
 "no data" in the middle, so a file a report links to exists; `write_plots` with no records
 writes nothing and returns []. Inputs that are wrong rather than empty (a negative threshold, a
-timeline row that is not (seconds, running requests[, arm])) raise ValueError.
+timeline row that is not (seconds, running requests[, arm[, compile seconds]])) raise
+ValueError.
 """
 
 from __future__ import annotations
@@ -104,16 +105,20 @@ def arm_source(arm: str) -> str:
     return arm.split(":", 1)[0]
 
 
-def _timeline_arrays(timeline: Sequence[Sequence[Any]]) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(step end seconds, running requests, arm names) of a timeline; rows without an arm are
-    plain steps, as in `timing.tail_stats`."""
+def _timeline_arrays(timeline: Sequence[Sequence[Any]]
+                     ) -> tuple[np.ndarray, np.ndarray, list[str], np.ndarray]:  # fmt: skip
+    """(step end seconds, running requests, arm names, compile seconds) of a timeline; rows
+    without an arm are plain steps, as in `timing.tail_stats`, and rows without compile
+    seconds compiled nothing."""
     for i, row in enumerate(timeline):
-        if len(row) not in (2, 3):
-            raise ValueError(f"timeline[{i}]={row!r} is not (seconds, running requests[, arm])")
+        if len(row) not in (2, 3, 4):
+            raise ValueError(f"timeline[{i}]={row!r} is not (seconds, running requests"
+                             "[, arm[, compile seconds]])")  # fmt: skip
     ends = np.asarray([row[0] for row in timeline], np.float64)
     running = np.asarray([row[1] for row in timeline], np.int64)
-    arms = [str(row[2]) if len(row) == 3 else PLAIN_ARM for row in timeline]
-    return ends, running, arms
+    arms = [str(row[2]) if len(row) > 2 else PLAIN_ARM for row in timeline]
+    compiled = np.asarray([row[3] if len(row) > 3 else 0.0 for row in timeline], np.float64)
+    return ends, running, arms, compiled
 
 
 def _check_threshold(threshold: int) -> None:
@@ -152,7 +157,7 @@ def plot_rollout_timeline(timeline: Sequence[Sequence[Any]], threshold: int,
         ax.set_title(title)
         return _save(fig, path)
 
-    ends, running, arms = _timeline_arrays(timeline)
+    ends, running, arms, _ = _timeline_arrays(timeline)
     edges = np.concatenate([[0.0], ends])
     stats = timing.tail_stats(timeline, threshold)
     span = ax.get_xaxis_transform()  # x in seconds, y in axes fractions: full-height bands
@@ -185,6 +190,8 @@ def plot_rollout_timeline(timeline: Sequence[Sequence[Any]], threshold: int,
         text = (f"long tail: {stats['long_tail_share']:.0%} of the decode time\n"
                 f"{stats['long_tail_s']:.2f} s of {stats['rollout_decode_s']:.2f} s, "
                 f"SD in {stats['sd_tail_s']:.2f} s")  # fmt: skip
+        if stats["rollout_compile_s"] > 0:  # the x axis is wall time, compiles included
+            text += f"\n(without {stats['rollout_compile_s']:.2f} s of compiling)"
         # Keep the text inside the axes when the tail hugs one side.
         middle = (x0 + x1) / 2 / edges[-1] if edges[-1] > 0 else 0.5
         x, ha = (x1, "right") if middle > 0.7 else (x0, "left") if middle < 0.3 else (
@@ -216,10 +223,11 @@ def save_timeline(timeline: Sequence[Sequence[Any]], threshold: int,
       The paths written: [json] or [json, png].
     """
     _check_threshold(threshold)
-    ends, running, arms = _timeline_arrays(timeline)
-    rows = [[float(t), int(n), a] for t, n, a in zip(ends, running, arms, strict=True)]
-    doc = {"threshold": int(threshold), "columns": ["seconds", "running", "arm"], "rows": rows,
-           **timing.tail_stats(timeline, threshold)}  # fmt: skip
+    ends, running, arms, compiled = _timeline_arrays(timeline)
+    rows = [[float(t), int(n), a, float(c)]
+            for t, n, a, c in zip(ends, running, arms, compiled, strict=True)]  # fmt: skip
+    doc = {"threshold": int(threshold), "columns": ["seconds", "running", "arm", "compile_s"],
+           "rows": rows, **timing.tail_stats(timeline, threshold)}  # fmt: skip
     path_json = Path(path_json)
     path_json.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path_json, json.dumps(doc))  # a reader never sees half a file
@@ -230,10 +238,13 @@ def save_timeline(timeline: Sequence[Sequence[Any]], threshold: int,
     return paths
 
 
-def load_timeline(path_json: str | os.PathLike) -> tuple[list[tuple[float, int, str]], int]:
-    """(timeline rows, threshold) of a `save_timeline` file, for `plot_rollout_timeline`."""
+def load_timeline(path_json: str | os.PathLike) -> tuple[list[tuple], int]:
+    """(timeline rows, threshold) of a `save_timeline` file, for `plot_rollout_timeline`
+    (files written before the compile seconds column have three columns)."""
     doc = json.loads(Path(path_json).read_text())
-    return [(float(t), int(n), str(a)) for t, n, a in doc["rows"]], int(doc["threshold"])
+    rows = [(float(row[0]), int(row[1]), str(row[2]), *map(float, row[3:4]))
+            for row in doc["rows"]]  # fmt: skip
+    return rows, int(doc["threshold"])
 
 
 SLICE_TIMELINE_FILE = "slice_timeline.png"

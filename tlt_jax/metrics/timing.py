@@ -42,21 +42,42 @@ class PhaseTimer:
         return out
 
 
+def without_compiles(timeline: Sequence[tuple]) -> list[tuple]:
+    """A step timeline on a clock that stops while programs compile: (seconds, running[,
+    arm]) rows, each row's seconds less the compile seconds of its step and every step before
+    it (`EngineStats.timeline`'s fourth field; rows without one compiled nothing).
+
+    A program compiles once per shape in a run, however long the run: in a short run's
+    rollout, mostly where new cache-length buckets come up, in the long tail. Left in, it
+    would count as decoding there."""
+    out, compiled, last = [], 0.0, 0.0
+    for row in timeline:
+        compiled += float(row[3]) if len(row) > 3 else 0.0
+        last = max(last, float(row[0]) - compiled)  # never before the row above (rounding)
+        out.append((last, *row[1:3]))
+    return out
+
+
 def tail_stats(timeline: Sequence[tuple], threshold: int) -> dict[str, float]:
-    """How much of a rollout ran in its long tail, from the engine's step timeline.
+    """How much of a rollout ran in its long tail, from the engine's step timeline, on a
+    clock without the compiles inside its steps (`without_compiles`).
 
     Args:
       timeline: `EngineStats.timeline`: (seconds since the rollout started, running requests,
-        arm) after every decode step; a step's duration is the time since the previous one.
+        arm, compile seconds) after every decode step (the last two optional); a step's
+        duration is the time since the previous one.
       threshold: the tail is every step with at most this many running requests.
 
     Returns:
       `long_tail_share` (tail seconds / decode seconds), `long_tail_s`, `rollout_decode_s`
-      (seconds until the last step), and `sd_tail_s`, the tail seconds that ran SD steps.
+      (seconds until the last step), and `sd_tail_s`, the tail seconds that ran SD: all
+      without compiles, which `rollout_compile_s` counts.
     """
     if not timeline:
         return {"long_tail_share": 0.0, "long_tail_s": 0.0, "rollout_decode_s": 0.0,
-                "sd_tail_s": 0.0}  # fmt: skip
+                "sd_tail_s": 0.0, "rollout_compile_s": 0.0}  # fmt: skip
+    compile_s = float(sum(float(row[3]) for row in timeline if len(row) > 3))
+    timeline = without_compiles(timeline)
     ends = np.asarray([row[0] for row in timeline], np.float64)
     running = np.asarray([row[1] for row in timeline])
     plain = np.asarray([len(row) < 3 or row[2] == "plain" for row in timeline])
@@ -74,7 +95,33 @@ def tail_stats(timeline: Sequence[tuple], threshold: int) -> dict[str, float]:
         "long_tail_s": tail_s,
         "rollout_decode_s": total,
         "sd_tail_s": float(durations[tail & ~plain].sum()),
+        "rollout_compile_s": compile_s,
     }
+
+
+def pooled_accept_len(records: Sequence[dict], source: str) -> float | None:
+    """A run's tokens per SD row of draft `source` over step records: the steps' acceptance
+    lengths (`accept_len_<source>`) weighed by their rows (`sd_rows_<source>`), so a step
+    of 1 SD row counts as 1 row and a step without SD of the source not at all (None when
+    no step has it; the plain mean of the steps for records written before their rows were)."""
+    key = f"accept_len_{source}"
+    steps = [r for r in records if r.get(key) is not None]
+    if not steps:
+        return None
+    weights = [float(r.get(f"sd_rows_{source}") or 0.0) for r in steps]
+    if all(w > 0 for w in weights):
+        return float(np.average([float(r[key]) for r in steps], weights=weights))
+    return float(np.mean([float(r[key]) for r in steps]))
+
+
+def pooled_sd_step_share(records: Sequence[dict]) -> float:
+    """A run's share of decode steps that ran SD over step records (its SD steps over its
+    decode steps, not the mean of the steps' shares; that mean for records written before
+    `decode_steps` was)."""
+    if records and all(r.get("decode_steps") is not None for r in records):
+        decode = sum(int(r["decode_steps"]) for r in records)
+        return sum(int(r.get("sd_steps") or 0) for r in records) / decode if decode else 0.0
+    return float(np.mean([float(r.get("sd_step_share") or 0.0) for r in records] or [0.0]))
 
 
 def merge_timelines(timelines: Sequence[Sequence[tuple]]) -> list[tuple[float, int]]:

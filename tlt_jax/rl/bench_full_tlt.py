@@ -43,7 +43,9 @@ PER_STEP = ("step_time", "compile_s", "time_rollout", "time_update", "time_logpr
             "time_reward", "time_sync", "long_tail_s", "long_tail_share", "generated_tokens",
             "response_len_mean", "response_len_max", "reward_mean", "sd_step_share",
             "accept_len_eagle", "accept_len_ngram", "accept_len_hybrid", "drafter_version",
-            "drafter_steps", "spot_reclaimed_share", "spot_idle_slice_s")  # fmt: skip
+            "drafter_steps", "spot_reclaimed_share", "spot_idle_slice_s", "sd_threshold",
+            "sd_steps", "decode_steps", "sd_rows_eagle", "sd_rows_ngram",
+            "sd_rows_hybrid")  # fmt: skip
 
 
 def run_order(pairs: int) -> list[tuple[int, str]]:
@@ -93,7 +95,10 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
     """Speedups over the measured steps of every pair; `runs[side][pair]` are `read_steps` rows.
 
     A ratio is formed for each step both runs of a pair measured (a run cut short keeps the
-    steps it logged)."""
+    steps it logged). The long tail is counted at each run's SD threshold: a step whose sides
+    counted theirs at different thresholds (a plain side without the TLT side's calibration
+    file falls back to `policy.REPORT_THRESHOLD`; pass `--override` to both) forms no
+    `long_tail` ratio, and `long_tail_thresholds` says which thresholds the sides used."""
     ratios: dict[str, list[float]] = {k: [] for k in (
         "step", "step_excluding_compiles", "rollout", "rollout_per_token", "long_tail",
         "update")}  # fmt: skip
@@ -115,7 +120,8 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
                 "rollout_per_token": (p["time_rollout"] / p["generated_tokens"])
                 / (t["time_rollout"] / t["generated_tokens"])
                 if p.get("generated_tokens") and t.get("generated_tokens") else None,
-                "long_tail": ratio("long_tail_s"),
+                "long_tail": ratio("long_tail_s")
+                if p.get("sd_threshold") == t.get("sd_threshold") else None,
                 "update": ratio("time_update"),
             }  # fmt: skip
             for key, value in values.items():
@@ -134,9 +140,16 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
     out["generated_tokens"] = {side: _mean(r["generated_tokens"] for r in rows)
                                for side, rows in measured.items()}  # fmt: skip
     out["long_tail_share_plain"] = _mean(r["long_tail_share"] for r in measured.get("plain", []))
+    out["long_tail_thresholds"] = {
+        side: sorted({int(r["sd_threshold"]) for r in rows if r.get("sd_threshold") is not None})
+        for side, rows in measured.items()}  # fmt: skip
     tlt = measured.get("tlt", [])
-    for key in ("sd_step_share", "accept_len_eagle", "accept_len_ngram", "accept_len_hybrid",
-                "spot_reclaimed_share", "drafter_steps"):  # fmt: skip
+    # The run's ratios (SD steps over decode steps, tokens per SD row), as its report pools
+    # them: a step of 1 SD row weighs 1 row.
+    out["tlt_sd_step_share"] = timing.pooled_sd_step_share(tlt) if tlt else None
+    for source in ("eagle", "ngram", "hybrid"):
+        out[f"tlt_accept_len_{source}"] = timing.pooled_accept_len(tlt, source)
+    for key in ("spot_reclaimed_share", "drafter_steps"):
         out[f"tlt_{key}"] = _mean(r[key] for r in tlt)
     # Two plain runs decode the same tokens: their step-time ratio is the machine's noise.
     plain = runs.get("plain", {})

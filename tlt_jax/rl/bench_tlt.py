@@ -218,8 +218,11 @@ def bench_one(cfg: TrainConfig, *, steps: int, warmup: int, greedy_repeats: int,
         ),  # fmt: skip
         "ceiling_step_speedup": plain_step / max(plain_step - plain_tail, 1e-9),
         "long_tail_share": mean("plain", "long_tail_share"),
-        "sd_step_share": mean("tlt", "sd_step_share"),
-        **{k: mean("tlt", k) for k in sources},
+        # The run's ratios over the measured steps (SD steps over decode steps, tokens per
+        # SD row): a step without SD of a source is no acceptance length of 0.
+        "sd_step_share": timing.pooled_sd_step_share(records["tlt"]),
+        **{k: timing.pooled_accept_len(records["tlt"], k.removeprefix("accept_len_"))
+           for k in sources},
         "sd_choices": choices,
         "generated_tokens": {name: mean(name, "generated_tokens") for name in records},
         "response_len_p50": {name: mean(name, "response_len_p50") for name in records},

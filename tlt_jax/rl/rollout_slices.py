@@ -214,6 +214,11 @@ class RolloutSlices:
                     "here on. The last checkpoint holds the last step they agreed on."
                 )
             self.group.end_step()  # after the digests: every process finished the step before
+        # The sync phase ends when every slice holds its new weights: the copies to each
+        # slice's devices and the engines' per-layer copies are asynchronous, and would
+        # otherwise land in the next rollout's first steps.
+        jax.block_until_ready([(s.engine.params, s.engine.layers, s.engine.drafter_params)
+                               for s in self.slices])  # fmt: skip
         return metrics
 
     # -- checkpoints and export ------------------------------------------------------------
@@ -293,9 +298,12 @@ def _online_drafter(cfg: TrainConfig, target, drafter, hot):
 
 
 def _tail(timeline: list[tuple], threshold: int) -> dict[str, Any]:
-    """One slice's `timing.tail_stats` and its (seconds, running) timeline, which
-    `spot.combine_rollout_stats` merges over every process's slices."""
+    """One slice's `timing.tail_stats` and its (seconds, running) timeline on the clock
+    without compiles (as the stats are), which `spot.combine_rollout_stats` merges over every
+    process's slices."""
     return {
         **timing.tail_stats(timeline, threshold),
-        "timeline": [(round(float(row[0]), 6), int(row[1])) for row in timeline],
+        "timeline": [
+            (round(float(row[0]), 6), int(row[1])) for row in timing.without_compiles(timeline)
+        ],
     }

@@ -21,6 +21,7 @@ from tlt_jax.checkpointing.manager import RunCheckpointer
 from tlt_jax.data.pipeline import load_data
 from tlt_jax.data.tokenizer import stop_token_ids
 from tlt_jax.files import write_text_atomic
+from tlt_jax.metrics import timing
 from tlt_jax.metrics.plots import PLOT_FILES
 from tlt_jax.metrics.timing import PHASES
 from tlt_jax.metrics.writer import read_metrics
@@ -131,9 +132,19 @@ def phase_table(records: list[dict[str, Any]]) -> str:
     tail_share = _pooled(records, "long_tail_s", "rollout_decode_s", "long_tail_share")
     tokens_per_s = _pooled(records, "generated_tokens", "time_rollout", "tokens_per_s")
     tail_s = float(np.mean([float(r.get("long_tail_s", 0.0)) for r in records]))
+    compile_s = sum(float(r.get("compile_s", 0.0)) for r in records)
+    rollout_compile_s = sum(float(r.get("rollout_compile_s", 0.0)) for r in records)
+    lines.append(f"compiling inside the steps: {compile_s:.1f} s ({compile_s / step_total:.1%}"
+                 f" of the steps), {rollout_compile_s:.1f} slice-s of it in rollouts; the "
+                 "tail and decode figures below leave it out")  # fmt: skip
+    decoding = ""
+    if all("decode_tokens_per_s" in r for r in records):
+        decode_tps = _pooled(records, "generated_tokens", "rollout_decode_s",
+                             "decode_tokens_per_s")  # fmt: skip
+        decoding = f" ({decode_tps:.1f} in decode time without compiles)"
     lines.append(f"rollout long tail (decode time with <= {threshold} requests running, over "
                  f"the run): {tail_share:.1%}, {tail_s:.1f} s/step; generated tokens/s in "
-                 f"rollout: {tokens_per_s:.1f}")  # fmt: skip
+                 f"rollout: {tokens_per_s:.1f}{decoding}")  # fmt: skip
     lines.append(tlt_summary(records))
     return "\n".join(lines)
 
@@ -149,32 +160,19 @@ def _pooled(records: list[dict[str, Any]], numerator: str, denominator: str,
     return float(np.mean([float(r.get(per_step, 0.0)) for r in records]))
 
 
-def _accept_len(records: list[dict[str, Any]], source: str) -> float:
-    """The run's tokens per SD row of `source`: the steps' acceptance lengths weighed by their
-    rows (`sd_rows_<source>`; the plain mean for records written before it was recorded)."""
-    key = f"accept_len_{source}"
-    steps = [r for r in records if key in r]
-    weights = [float(r.get(f"sd_rows_{source}", 0.0)) for r in steps]
-    if all(w > 0 for w in weights):
-        return float(np.average([float(r[key]) for r in steps], weights=weights))
-    return float(np.mean([float(r[key]) for r in steps]))
-
-
 def tlt_summary(records: list[dict[str, Any]]) -> str:
     """What TLT's adaptive rollout did over the records (the run's ratios, not means of the
     steps'): SD share of decode steps, acceptance length per draft source, tail seconds that
     ran SD, and the most chosen arms."""
     sd = sum(int(r.get("sd_steps", 0)) for r in records)
-    if all("decode_steps" in r for r in records):
-        decode = sum(int(r["decode_steps"]) for r in records)
-        share = sd / decode if decode else 0.0
-    else:  # records written before `decode_steps`
-        share = float(np.mean([float(r.get("sd_step_share", 0.0)) for r in records]))
+    share = timing.pooled_sd_step_share(records)
     if not sd:
-        return "TLT: no speculative steps (spec.mode=off, or SD never paid)"
+        return ("TLT: no speculative steps (spec.mode=off; or the running requests never "
+                "stayed at or under the SD threshold for spec.warmup_steps decode steps; or "
+                "the bandit rated plain decoding faster there)")  # fmt: skip
     sources = sorted({k.removeprefix("accept_len_") for r in records for k in r
                       if k.startswith("accept_len_")})  # fmt: skip
-    accept = ", ".join(f"{s} {_accept_len(records, s):.2f}" for s in sources)
+    accept = ", ".join(f"{s} {timing.pooled_accept_len(records, s):.2f}" for s in sources)
     choices: dict[str, int] = {}
     for r in records:
         for arm, n in (r.get("sd_choices") or {}).items():
@@ -292,6 +290,11 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
         raise FileNotFoundError(f"workdir={str(workdir)!r} is not a directory; pass a "
                                 "training run's workdir, or none to score the config's "
                                 "model as loaded")  # fmt: skip
+    n = cfg.eval.num_problems if num_problems is None else num_problems
+    if n < 1:  # in a training config, 0 means "no evaluation"; here it would score nothing
+        raise ValueError(f"num_problems={n} (from "
+                         f"{'eval.num_problems' if num_problems is None else '--num_problems'})"
+                         ": expected at least 1 problem to score")  # fmt: skip
     directory = None if workdir is None else Path(workdir) / "checkpoints"
     checkpointer = (
         RunCheckpointer(directory, read_only=True)  # the run may still be saving
@@ -325,7 +328,9 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
     finally:
         if checkpointer is not None:
             checkpointer.close()
-    n = cfg.eval.num_problems if num_problems is None else num_problems
+    if n > len(examples):
+        log.warning("num_problems=%d but the %s split holds %d problems: scoring all %d", n,
+                    cfg.data.eval_split, len(examples), len(examples))  # fmt: skip
     result = evaluation.evaluate(
         engine, policy.build_encoder(cfg, tokenizer),
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True), examples[:n],

@@ -228,7 +228,9 @@ def gather_completions(group: ProcessGroup, step: int, per_slice, indices, total
 def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict[str, Any]:
     """One step record's rollout fields from every process's `rollout_stats`.
 
-    The long tail (`long_tail_share`, `long_tail_s`) is the run's, in wall time: the seconds
+    The long tail (`long_tail_share`, `long_tail_s`) is the run's, in wall time without the
+    compiles inside steps (each slice's clock stops while it compiles; `rollout_compile_s`
+    sums those slice-seconds): the seconds
     in which at most the SD threshold of requests were running over all slices together
     (`timing.merge_timelines`, each process's timeline placed by its `start_wall`; before a
     process starts, its requests count as running). Each slice decides SD against its own
@@ -262,6 +264,8 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
         "slice_tail_share": slice_tail / slice_total if slice_total > 0 else 0.0,
         "slice_tail_s": slice_tail,
         "sd_tail_s": sum(t["sd_tail_s"] for t in tails),
+        # Slice-seconds: slices compile in their own threads or processes, at once.
+        "rollout_compile_s": sum(t.get("rollout_compile_s", 0.0) for t in tails),
     }
     spec = sum(s["spec"]["spec"] for s in stats)
     plain = sum(s["spec"]["plain"] for s in stats)

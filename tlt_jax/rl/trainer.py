@@ -557,6 +557,10 @@ class Trainer:
             "compile_s": compile_s_after - compile_s_before,
             "response_lengths": lengths,
         }  # fmt: skip
+        # Tokens per second of decoding, without the compiles inside the rollout (a short
+        # run's first steps compile most of the engine's programs).
+        decode_s = record["rollout_decode_s"]
+        record["decode_tokens_per_s"] = generated / decode_s if decode_s > 0 else 0.0
         return record
 
     def _compiles(self) -> tuple[int, float]:
@@ -761,8 +765,14 @@ class Trainer:
         out = self.workdir / "plots"
         paths = write_plots(read_metrics(self.workdir), out, cap=self.config.rollout.max_new_tokens)
         if self._last_timeline:
+            # Slice 0's engine: with several slices, its own requests and its own tail (the
+            # record's `long_tail_share` is the run's, over every slice).
+            slices = self.config.spot.slices
+            title = f"step {self.step_count} rollout" + (
+                f", slice 0 of {slices} (its requests only)" if slices > 1 else ""
+            )
             paths += save_timeline(self._last_timeline, self.threshold, out / TIMELINE_FILE,
-                                   title=f"step {self.step_count} rollout")  # fmt: skip
+                                   title=title)  # fmt: skip
         report = self.rollouts.last_report
         if report is not None and len(report.finish_s) > 1:  # this process's slices
             paths.append(plot_slice_timeline(

@@ -156,7 +156,7 @@ def timed_generate(engine: RolloutEngine, requests) -> dict[str, Any]:
         "accepted": [n for c in out for n in c.accepted_lengths],
         "outputs": [c.token_ids for c in out],
         "compiled": stats.compile_count != compiles,
-        "arms": collections.Counter(arm for _, _, arm in stats.timeline),
+        "arms": collections.Counter(row[2] for row in stats.timeline),
         "median_step_ms": median_step_ms(stats.timeline) if stats.timeline else None,
         "source_rows": {k: v - rows.get(k, 0) for k, v in stats.spec_rows_by_source.items()},
         "source_tokens": {

@@ -285,9 +285,11 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     generated_tokens: int = 0
-    # (wall time since generate() started, running requests, arm) after every decode step;
-    # the arm is "plain" or the step's `StepChoice` as text ("ngram:4,1,5").
-    timeline: list[tuple[float, int, str]] = dataclasses.field(default_factory=list)
+    # (wall time since generate() started, running requests, arm, compile seconds) after
+    # every decode step; the arm is "plain" or the step's `StepChoice` as text
+    # ("ngram:4,1,5"); the compile seconds are the programs compiled since the row before
+    # (inside the step's time: `timing.without_compiles` takes them out of the clock).
+    timeline: list[tuple[float, int, str, float]] = dataclasses.field(default_factory=list)
     spec_steps: int = 0
     # Per draft source: running rows of its SD steps and the tokens they emitted (their ratio
     # is the source's acceptance length).
@@ -1054,16 +1056,18 @@ class RolloutEngine:
         if self.ngram is not None:  # an interrupted generate() leaves its requests live
             self.ngram.finish_all(keep=False)
         pending: _Pending | None = None  # a plain step dispatched, not yet read
-        last_read = start
+        last_read, last_compile_s = start, self.stats.compile_seconds
 
         def settle(choice, n: int, emitted: int, began: float, compiled: bool) -> None:
             """A step's tokens are emitted: reward the policy, log it, retire what finished."""
-            nonlocal running, last_read
+            nonlocal running, last_read, last_compile_s
             now = time.perf_counter()
             if not compiled:  # a step that compiled is no reward
                 policy.record(choice, n, emitted, now - began)
             last_read = now
-            self.stats.timeline.append((now - start, n, arm_name(choice)))
+            compile_s, last_compile_s = (self.stats.compile_seconds - last_compile_s,
+                                         self.stats.compile_seconds)  # fmt: skip
+            self.stats.timeline.append((now - start, n, arm_name(choice), compile_s))
             running = self._retire(running, done, now, bar)
 
         def read(step: _Pending) -> None:
