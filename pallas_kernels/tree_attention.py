@@ -47,7 +47,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _TRANS_B_DIMS = (((1,), (1,)), ((), ()))
@@ -256,6 +255,10 @@ def _check_inputs(
 
 def _compiler_params(platform: str, vmem_bytes: int):
     if platform == "gpu":
+        # Imported here: Pallas's Triton backend is deprecated in jax 0.11 (Mosaic GPU is the
+        # default); its removal must not break importing the kernel on other platforms.
+        from jax.experimental.pallas import triton as pltriton
+
         return pltriton.CompilerParams(num_warps=4, num_stages=2)
     if platform == "tpu":
         # Raise the scoped VMEM limit (16 MiB by default on some chips) when the cache rows need it.

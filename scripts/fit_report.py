@@ -24,6 +24,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 import shlex  # noqa: E402
 import time  # noqa: E402
@@ -35,7 +36,7 @@ from absl import app, flags  # noqa: E402
 from tlt_jax import files
 from tlt_jax.files import write_json  # noqa: E402
 from tlt_jax.models.presets import get_preset  # noqa: E402
-from tlt_jax.rl import fit  # noqa: E402
+from tlt_jax.rl import fit, policy  # noqa: E402
 from tlt_jax.rl.config import TrainConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,9 +77,9 @@ def run_config(preset: str) -> TrainConfig:
 
 
 def model_for(config: TrainConfig, preset: str):
-    s = config.model
-    overrides = {k: v for k, v in (("dtype", s.dtype), ("param_dtype", s.param_dtype)) if v}
-    return get_preset(preset, **overrides)
+    """The model the run would build (`policy.planned_model_config`: a checkpoint's dtypes
+    when the config loads one), of `preset`'s architecture."""
+    return policy.planned_model_config(dataclasses.replace(config.model, architecture=preset))
 
 
 def plan(preset: str, devices: int) -> dict:
@@ -158,6 +159,13 @@ def main(argv):
     for name in unknown:
         get_preset(name)  # unknown presets fail here, naming the choices
     devices = [int(d) for d in _DEVICES.value]
+    cpus = len(jax.devices("cpu"))
+    if not _PLATFORMS.value and not (_COMPILE.value and max(devices) <= cpus):
+        # Each row is planned from an abstract lowering, or from the compile on fake CPU
+        # devices; with neither it had no programs (UnboundLocalError).
+        raise app.UsageError(f"--platforms is empty and --compile does not cover "
+                             f"--devices={devices} ({cpus} CPU devices): give --platforms "
+                             "tpu and/or cuda")  # fmt: skip
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     print(f"command: {command}\njax {jax.__version__}, {len(jax.devices('cpu'))} CPU devices; "
           f"GB = 1e9 bytes per device; usable {fit.USABLE_FRACTION:.0%} of "

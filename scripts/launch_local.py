@@ -29,7 +29,15 @@ from absl import app, flags
 
 flags.DEFINE_integer("num_processes", 2, "Processes to start.")
 flags.DEFINE_bool("pin_cores", False, "Pin process i to CPU core i (Linux).")
-flags.DEFINE_integer("port", 0, "Coordinator port on localhost (0: a free one).", lower_bound=0)
+flags.DEFINE_integer(
+    "port", 0, "Coordinator port on localhost (0: a free one).", lower_bound=0, upper_bound=65535
+)
+flags.DEFINE_integer(
+    "devices_per_process", 0,
+    "Accelerators per process: process i gets the host's devices i*N .. i*N+N-1 "
+    "(TLT_LOCAL_DEVICE_IDS, JAX's local_device_ids). 0: JAX's default, every process sees "
+    "every device of the host, which on a GPU host puts every process's slices on the same "
+    "devices. Not for CPU devices.", lower_bound=0)  # fmt: skip
 FLAGS = flags.FLAGS
 
 
@@ -79,11 +87,16 @@ def main(argv):
     address = f"localhost:{FLAGS.port or _free_port()}"
     # How the processes were started, for a command a process records (`bench_spot.py`).
     launcher = (f"python scripts/launch_local.py --num_processes={FLAGS.num_processes}"
-                + (" --pin_cores" if FLAGS.pin_cores else ""))  # fmt: skip
+                + (" --pin_cores" if FLAGS.pin_cores else "")
+                + (f" --devices_per_process={FLAGS.devices_per_process}"
+                   if FLAGS.devices_per_process else ""))  # fmt: skip
     procs, relays = [], []
     for i in range(FLAGS.num_processes):
         env = dict(os.environ, TLT_COORDINATOR=address, TLT_LAUNCHER=launcher,
                    TLT_NUM_PROCESSES=str(FLAGS.num_processes), TLT_PROCESS_ID=str(i))  # fmt: skip
+        if FLAGS.devices_per_process:
+            n = FLAGS.devices_per_process
+            env["TLT_LOCAL_DEVICE_IDS"] = ",".join(str(i * n + k) for k in range(n))
         core = cores[i] if FLAGS.pin_cores else None
         preexec = (lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,

@@ -38,7 +38,10 @@ def main(argv):
     if threads:
         logging.getLogger("tlt_jax").info("PJRT_NPROC=%d for the mesh's CPU devices", threads)
 
-    train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    from tlt_jax.parallel.distributed import exit_on_failure
+
+    with exit_on_failure():  # one of several processes failing stops them all at once
+        train_and_evaluate(FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":

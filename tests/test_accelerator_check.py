@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from rl_testing import REPO
 
 
@@ -90,3 +91,41 @@ def test_the_scratch_folder_is_deleted_only_when_this_script_made_it(tmp_path):
     empty.mkdir()
     check._fresh_scratch(empty)
     assert (empty / check.SCRATCH_MARK).is_file()
+
+
+def test_a_test_stage_killed_before_its_junit_report_keeps_the_logs_verdicts(tmp_path):
+    """pytest writes its JUnit report only at the end; a stage killed at its limit used to
+    report {} although its -v log held every finished test's verdict."""
+    check = _accelerator_check()
+    log = tmp_path / "tree_attention_tests.log"
+    log.write_text(
+        "$ python -m pytest -v tests/test_tree_attention.py\n"
+        "tests/test_tree_attention.py::test_a[float32-False] PASSED   [  5%]\n"
+        "tests/test_tree_attention.py::test_b[bfloat16-False] FAILED  [ 10%]\n"
+        "tests/test_tree_attention.py::test_c SKIPPED (no gpu)        [ 15%]\n"
+    )  # fmt: skip
+    summary = check._summary("tree_attention_tests", tmp_path, tmp_path)
+    assert summary == {"tests": 3, "failed": ["test_b[bfloat16-False]"], "skipped": 1,
+                       "compiled_cases": 2, "from_log": True}  # fmt: skip
+    # A JUnit report cut short does not end the check (main records the error).
+    (tmp_path / "tree_attention_tests.xml").write_text("<testsuite><testcase")
+    try:
+        check._summary("tree_attention_tests", tmp_path, tmp_path)
+    except Exception as error:  # ParseError: main() turns it into the stage's summary
+        assert "ParseError" in type(error).__name__
+
+
+def test_the_budget_holds_the_probe_and_passes_unused_time_on():
+    """--budget_s is the whole check's: the start-up probe came on top of it (a call sized to
+    --budget_s lost the last stage), and a stage that ended early left its time unused."""
+    check = _accelerator_check()
+    stages = list(check.SHARES)
+    # 480 s, the probe took 100: the stages share the 380 left, in proportion.
+    budgets = [check.stage_budget(380.0, stages[i:]) for i in range(len(stages))]
+    assert budgets[0] == pytest.approx(380.0 * check.SHARES[stages[0]])
+    assert budgets[-1] == pytest.approx(380.0)
+    # The first stage used 10 of its 57 s: the next three share the 370 s left.
+    second = check.stage_budget(370.0, stages[1:])
+    assert second == pytest.approx(370.0 * check.SHARES[stages[1]] / (1 - check.SHARES[stages[0]]))
+    assert second > 380.0 * check.SHARES[stages[1]]  # the 47 s the first left are passed on
+    assert check.stage_budget(0.0, stages) == 0.0

@@ -3,6 +3,7 @@ device by hand, and the fit report runs end to end. Nothing here allocates a big
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -27,6 +28,26 @@ def _config(name: str) -> TrainConfig:
 def qwen7b():
     config = _config("qwen2_5_7b_gsm8k")
     return config, get_preset("qwen2_5_7b", dtype="bfloat16")
+
+
+def test_a_checkpoint_run_is_planned_in_the_dtypes_it_loads():
+    """A config that loads a checkpoint (`model.name`) with `architecture` for the plan and no
+    dtype set runs in `ModelConfig`'s float32 (the loader does not read torch_dtype); the plan
+    took the preset's bfloat16 and counted half the memory."""
+    from tlt_jax.models.config import config_from_hf_dict
+    from tlt_jax.rl import policy
+
+    raw = load_config_dict("qwen2_5_7b_gsm8k")
+    raw.data.name = "arithmetic"  # data does not shape the plan
+    raw.model.update(dtype="", param_dtype="")
+    settings = TrainConfig.from_config_dict(raw).model
+    loaded = config_from_hf_dict(get_preset("qwen2_5_7b").to_hf_dict())
+    planned = policy.planned_model_config(settings)
+    assert (planned.param_dtype, planned.dtype) == (loaded.param_dtype, loaded.dtype)
+    assert loaded.param_dtype == "float32"
+    raw.model.update(dtype="bfloat16", param_dtype="float32")  # what the shipped config sets
+    planned = policy.planned_model_config(TrainConfig.from_config_dict(raw).model)
+    assert (planned.param_dtype, planned.dtype) == ("float32", "bfloat16")
 
 
 def test_mesh_for_follows_the_heads():
@@ -58,6 +79,13 @@ def test_7b_programs_lower_on_an_abstract_8_device_mesh(qwen7b):
     total = model.num_params() * np.dtype(model.jnp_param_dtype).itemsize
     assert params == pytest.approx(total / 8, rel=0.01)
     assert programs.bytes_per_device["optimizer_state"] == pytest.approx(2 * params, rel=0.01)
+    # The KL term's frozen reference is a second copy of the train params (it was left out).
+    assert config.rl.algorithm.kl_coef == 0 and programs.bytes_per_device["reference_params"] == 0
+    rl = dataclasses.replace(config.rl, algorithm=dataclasses.replace(config.rl.algorithm,
+                                                                      kl_coef=1e-3))  # fmt: skip
+    with_kl = fit.lower_programs(dataclasses.replace(config, rl=rl), model,
+                                 fit.make_mesh((2, 4)), platform="tpu", only=())  # fmt: skip
+    assert with_kl.bytes_per_device["reference_params"] == params
     # Verify checks the SD threshold's batch with the config's largest tree.
     verify = programs.lowered["verify"].out_info
     assert verify[1].shape == (geo.sd_batch, geo.strategy.verify_tokens)

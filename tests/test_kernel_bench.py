@@ -306,3 +306,21 @@ def test_the_xla_side_pallas_is_timed_against_is_the_models_bf16_attention():
     assert cache.format("f32") in {lhs for lhs, _, _ in reference}
     cases = kernel_bench.shape_cases("device") + kernel_bench.shape_cases("tiny")
     assert all(c.cache_lens().max() == c.cache_len for c in cases)
+
+
+def test_bf16_outputs_are_checked_against_the_references_scale():
+    """At a 7B verify shape the model's bf16 path passes and masking bugs do not: dropping the
+    tree mask moved outputs by about 8e-3, inside the earlier absolute bf16 tolerance (3e-2)."""
+    from tlt_jax.kernel_bench import cases, runner
+
+    case = cases.Case("tree", ("qwen2_5_7b",), 28, 4, 128, 1, 8, 1024)
+    args = cases.make_inputs(case, jnp.bfloat16, interpret=True).args
+    want = tree_attention_reference(*args)
+    model_bf16 = cases._model_xla_attention(*args)
+    no_tree_mask = tree_attention_reference(*args[:-1], jnp.ones_like(args[-1]))
+    lens = args[3] - 1  # the last cache token dropped
+    last_dropped = tree_attention_reference(*args[:3], lens, *args[4:])
+    assert runner.output_matches(model_bf16, want, "bfloat16")
+    assert not runner.output_matches(no_tree_mask, want, "bfloat16")
+    assert not runner.output_matches(last_dropped, want, "bfloat16")
+    assert not runner.output_matches(want * float("nan"), want, "bfloat16")

@@ -1,5 +1,6 @@
 """Answer extraction, numeric equivalence, format reward and fault-tolerant batch scoring."""
 
+import json
 import threading
 import time
 from fractions import Fraction
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from tlt_jax.rl import rewards
+from tlt_jax.rl.rewards import RewardResult, score_batch
 
 
 @pytest.mark.parametrize(
@@ -271,3 +273,19 @@ def test_a_unicode_minus_is_not_dropped_from_the_last_number():
     assert rewards.extract_answer("so x = \u22127") == "\u22127"
     assert rewards.math_accuracy("so x = \u22127", "7") == 0.0
     assert rewards.math_accuracy("so x = \u22127", "-7") == 1.0
+
+
+def test_scores_round_trip_exactly_through_json():
+    """Process 0's scores reach the other processes as JSON (`Trainer._score`): each process
+    scoring against its own clock let a reward near the timeout differ between them."""
+    scored = score_batch(lambda c, a: float(c) / 3, ["1", "2", "x"], ["", "", ""],
+                         format_weight=0.1)  # fmt: skip
+    back = RewardResult.from_json(json.loads(json.dumps(scored.to_json())))
+    assert back.rewards.dtype == np.float32 and back.rewards.tobytes() == scored.rewards.tobytes()
+    np.testing.assert_array_equal(back.correct, scored.correct)
+    assert (back.num_errors, back.num_timeouts, back.first_error) == (
+        scored.num_errors,
+        scored.num_timeouts,
+        scored.first_error,
+    )
+    assert back.num_errors == 1 and "ValueError" in back.first_error

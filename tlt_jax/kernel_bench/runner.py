@@ -41,11 +41,29 @@ from tlt_jax.kernel_bench.cuda_paths import prepare_flash_attn, prepare_flashinf
 _ERROR_CHARS = 2000
 # The correctness oracle: every output's max_abs_diff and status are taken against its output.
 REFERENCE = "xla_reference"
-# How far an implementation's output may be from the XLA reference's (`np.allclose` terms) and
-# still count: tests/test_tree_attention.py's tolerances, float32's widened for libraries
-# whose float32 products may round through TF32. Past them the status is "mismatch", and the
-# row's timings count toward no goal.
-TOLERANCES = {"float32": dict(atol=1e-3, rtol=1e-3), "bfloat16": dict(atol=3e-2, rtol=3e-2)}
+# How far an implementation's output may be from the XLA reference's and still count; past it
+# the status is "mismatch", and the row's timings count toward no goal. float32: `np.allclose`
+# terms (tests/test_tree_attention.py's, widened for libraries whose float32 products may round
+# through TF32). bfloat16: the largest difference against the reference's root mean square,
+# since attention outputs shrink as the prefix grows (averages of more values): at the 7B
+# shapes (outputs' RMS about 0.025) the model's bf16 XLA path is 5e-4 from the reference, while
+# dropping the tree mask or the last cache token moves an output by 6e-3 to 8e-3, which the
+# earlier absolute 3e-2 let pass as "ok".
+TOLERANCES = {"float32": dict(atol=1e-3, rtol=1e-3), "bfloat16": dict(rms_fraction=0.1)}
+
+
+def output_matches(got: np.ndarray, want: np.ndarray, dtype: str) -> bool:
+    """Whether an output is within `TOLERANCES[dtype]` of the reference's (float32's terms
+    for other dtypes)."""
+    tolerance = TOLERANCES.get(dtype, TOLERANCES["float32"])
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if "rms_fraction" in tolerance:
+        rms = float(np.sqrt(np.mean(np.square(want)))) if want.size else 0.0
+        return bool(np.all(np.isfinite(got))) and (
+            float(np.max(np.abs(got - want), initial=0.0)) <= tolerance["rms_fraction"] * rms
+        )
+    return bool(np.allclose(got, want, **tolerance))
+
 
 IMPLEMENTATIONS = (
     Implementation(REFERENCE, prepare_xla_reference),
@@ -124,8 +142,7 @@ def _measure_case(
         if reference is not None:
             got, want = np.asarray(out_BxTxNxH, np.float32), np.asarray(reference, np.float32)
             max_diff = float(np.max(np.abs(got - want)))
-            tolerance = TOLERANCES.get(str(inputs.args[0].dtype), TOLERANCES["float32"])
-            if not np.allclose(got, want, **tolerance):
+            if not output_matches(got, want, str(inputs.args[0].dtype)):
                 status = "mismatch"  # wrong numbers are timed but count toward no goal
         impls[impl.name] = dict(
             status=status, device=prepared.device, **figures, gb_per_s=gb_per_s,

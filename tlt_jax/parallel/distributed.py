@@ -15,9 +15,13 @@ is local and free.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import sys
+import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -28,7 +32,47 @@ log = logging.getLogger(__name__)
 ENV_COORDINATOR = "TLT_COORDINATOR"
 ENV_NUM_PROCESSES = "TLT_NUM_PROCESSES"
 ENV_PROCESS_ID = "TLT_PROCESS_ID"
+# Optional: this process's accelerators among the host's ("0,1"); JAX's `local_device_ids`.
+# Outside TPU, Slurm or Open MPI every process otherwise sees every GPU of its host, so two
+# processes' slices would share one device (`launch_local.py --devices_per_process` sets it).
+ENV_LOCAL_DEVICE_IDS = "TLT_LOCAL_DEVICE_IDS"
 TIMEOUT_MS = 30 * 60 * 1000  # a straggler's whole rollout may pass before a value is set
+# Process 0 alone evaluates (before and after training) while the others wait for it: as long
+# as an evaluation may take (a 7B model's full GSM8K test split runs for hours).
+EVAL_TIMEOUT_MS = 24 * 60 * 60 * 1000
+# JAX's shutdown barrier (every process waits there for the others as it exits) aborts them
+# all after `shutdown_timeout_seconds`; the run's own barriers above make the processes end
+# together, so this only bounds a peer that died without reaching them.
+SHUTDOWN_TIMEOUT_S = 600
+
+
+def parse_coordinator(value: str) -> tuple[str, int]:
+    """(host, port) of a `TLT_COORDINATOR` value `host:port`.
+
+    Raises:
+      ValueError: naming the variable, when there is no host or the port is not an integer
+        in 1..65535 (JAX failed with a bare IndexError on a value without a port).
+    """
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{ENV_COORDINATOR}={value!r} must be host:port with a port in "
+                         "1..65535 (the coordinator is process 0's host)")  # fmt: skip
+    return host, int(port)
+
+
+def parse_local_device_ids(value: str | None) -> list[int] | None:
+    """The `TLT_LOCAL_DEVICE_IDS` value as JAX's `local_device_ids` (None when unset).
+
+    Raises:
+      ValueError: naming the variable, unless it is comma-separated distinct integers >= 0.
+    """
+    if not value:
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(f"{ENV_LOCAL_DEVICE_IDS}={value!r} must be distinct device ids >= 0, "
+                         "comma-separated (e.g. '0,1')")  # fmt: skip
+    return [int(p) for p in parts]
 
 
 def initialize_from_env() -> bool:
@@ -51,10 +95,34 @@ def initialize_from_env() -> bool:
                          "must be integers") from e  # fmt: skip
     if not 0 <= index < count:
         raise ValueError(f"{ENV_PROCESS_ID}={index} must be in [0, {ENV_NUM_PROCESSES}={count})")
+    parse_coordinator(values[0])
+    local_ids = parse_local_device_ids(os.environ.get(ENV_LOCAL_DEVICE_IDS))
     if (os.environ.get("JAX_PLATFORMS") or "cpu").startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(values[0], num_processes=count, process_id=index)
+    jax.distributed.initialize(values[0], num_processes=count, process_id=index,
+                               local_device_ids=local_ids,
+                               shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)  # fmt: skip
     return True
+
+
+@contextlib.contextmanager
+def exit_on_failure() -> Iterator[None]:
+    """Around a multi-process run's work: an exception in this process prints its traceback
+    and ends the process at once with status 1 (one process: it propagates as usual).
+
+    A failing process that exits normally waits in JAX's shutdown barrier for the others,
+    which wait for it in a collective: every process hung until the barrier's timeout and then
+    aborted (SIGABRT, status 134 from the launcher, five minutes late). Exiting at once, the
+    launcher (or the cluster's scheduler) sees the failure and stops the others."""
+    try:
+        yield
+    except BaseException:
+        if jax.process_count() == 1:
+            raise
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 class ProcessGroup:

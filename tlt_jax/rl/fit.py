@@ -230,6 +230,11 @@ def lower_programs(config: TrainConfig, model: ModelConfig, mesh: Mesh | Abstrac
         "drafter": sharding_lib.per_device_bytes((drafter_params, state.draft)),
         # The drafter's AdamW moments on its trainer slice (replicated: one slice trains).
         "drafter_optimizer": sharding_lib.per_device_bytes(drafter_opt),
+        # The frozen reference policy the KL term reads (`Trainer.reference_params`): a
+        # second copy of the train params, only with `rl.algorithm.kl_coef > 0`.
+        "reference_params": sharding_lib.per_device_bytes(plan.abstract_state.params)
+        if config.rl.algorithm.kl_coef > 0
+        else 0,
     }
     s = geo.strategy
     # The largest buckets the engine compiles (its buckets always include the maxima).

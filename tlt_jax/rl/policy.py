@@ -117,9 +117,17 @@ def model_config(settings: ModelSettings) -> ModelConfig:
 
 
 def planned_model_config(settings: ModelSettings) -> ModelConfig:
-    """`architecture`'s preset when set (no file is read), else `model_config`."""
+    """`architecture`'s preset when set (no file is read), else `model_config`.
+
+    With `name` set, the run loads a checkpoint, whose config keeps `ModelConfig`'s dtypes
+    unless `dtype` / `param_dtype` override them (the loader does not read `torch_dtype`);
+    the plan does the same, not the preset's bfloat16 (it planned half the memory the run
+    then needed)."""
     if settings.architecture:
-        return get_preset(settings.architecture, **settings.dtype_overrides())
+        loaded = {} if settings.preset or not settings.name else {
+            f.name: f.default for f in dataclasses.fields(ModelConfig)
+            if f.name in ("dtype", "param_dtype")}  # fmt: skip
+        return get_preset(settings.architecture, **{**loaded, **settings.dtype_overrides()})
     return model_config(settings)
 
 

@@ -250,6 +250,26 @@ class RewardResult:
     num_timeouts: int
     first_error: str = ""
 
+    def to_json(self) -> dict:
+        """Plain JSON values (float32 rewards round-trip exactly through Python floats)."""
+        return {
+            "rewards": [float(r) for r in self.rewards],
+            "correct": [bool(c) for c in self.correct],
+            "num_errors": int(self.num_errors),
+            "num_timeouts": int(self.num_timeouts),
+            "first_error": self.first_error,
+        }
+
+    @classmethod
+    def from_json(cls, value: dict) -> "RewardResult":
+        return cls(
+            rewards=np.asarray(value["rewards"], np.float32),
+            correct=np.asarray(value["correct"], bool),
+            num_errors=value["num_errors"],
+            num_timeouts=value["num_timeouts"],
+            first_error=value["first_error"],
+        )
+
 
 _OK, _ERROR = "ok", "error"
 

@@ -217,12 +217,18 @@ def train_and_evaluate(config: Any, workdir: str | Path, *, progress: bool | Non
                 before = trainer.evaluate()
                 _save_eval(workdir, "before", before, 0, settings)
                 log.info("accuracy before training: %s", before.summary())
+        # The other processes wait here while process 0 evaluates (in a step's collectives
+        # they would give up after `distributed.TIMEOUT_MS`), and at the end until it has
+        # evaluated and plotted (exiting first, they would wait in JAX's shutdown barrier,
+        # which aborts every process after its timeout).
+        trainer.group.barrier("evaluated_before", distributed.EVAL_TIMEOUT_MS)
         trainer.train()
         after = None
         if primary and cfg.eval.at_end and cfg.eval.num_problems:
             after = trainer.evaluate()
             _save_eval(workdir, "after", after, trainer.step_count, settings)
         plots = trainer.plot()
+        trainer.group.barrier("run_end", distributed.EVAL_TIMEOUT_MS)
     finally:
         trainer.close()
     if not primary:

@@ -77,7 +77,7 @@ from tlt_jax.rl.resume import (
     check_resumed_model,
     check_same_restore,
 )
-from tlt_jax.rl.rewards import score_batch
+from tlt_jax.rl.rewards import RewardResult, score_batch
 from tlt_jax.rollout.engine import Request
 from tlt_jax.rollout.sampling import SamplingParams
 
@@ -437,9 +437,7 @@ class Trainer:
             texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                      for c in completions]  # fmt: skip
             answers = [str(ex["answer"]) for ex in examples for _ in range(g)]
-            scored = score_batch(self.reward_fn, texts, answers,
-                                 timeout_s=cfg.rl.reward_timeout_s,
-                                 format_weight=cfg.rl.format_weight)  # fmt: skip
+            scored = self._score(step, texts, answers)
             rewards_PxG = scored.rewards.reshape(len(prompts), g)
             advantages = np.asarray(compute_advantages(cfg.rl.algorithm, rewards_PxG), np.float32)
             has_signal = np.any(advantages != 0, axis=1)
@@ -482,7 +480,9 @@ class Trainer:
                     mine.append(key)
                 forwards += 1
                 logprob, _ = self._programs(batch)
-                logprobs, features[key] = logprob(self.state.params, batch)
+                logprobs, feats = logprob(self.state.params, batch)
+                if self.sinks:  # else not held: [rows, length, hidden] per micro-batch
+                    features[key] = feats
                 if recompute:
                     old_logprobs[key] = logprobs
                 if self.reference_params is not None:
@@ -562,6 +562,21 @@ class Trainer:
         decode_s = record["rollout_decode_s"]
         record["decode_tokens_per_s"] = generated / decode_s if decode_s > 0 else 0.0
         return record
+
+    def _score(self, step: int, texts: list[str], answers: list[str]) -> RewardResult:
+        """The rewards of this step's completions (every process holds all of them). With
+        several processes, process 0 scores and the others take its scores: each scoring
+        against its own clock, a reward function near `rl.reward_timeout_s` timed out on one
+        process only, and the processes' advantages, micro-batch plans and micro-batch deals
+        parted (mismatched collectives, or an update mixing two sets of advantages)."""
+        cfg, key = self.config.rl, f"rewards/{step}"
+        if self.group.count > 1 and not self.group.is_primary:
+            return RewardResult.from_json(self.group.wait_for(key, 0))
+        scored = score_batch(self.reward_fn, texts, answers, timeout_s=cfg.reward_timeout_s,
+                             format_weight=cfg.format_weight)  # fmt: skip
+        if self.group.count > 1:
+            self.group.set(key, scored.to_json())
+        return scored
 
     def _compiles(self) -> tuple[int, float]:
         """Programs compiled so far and their seconds: the trainer's pool (slice 0's engine
