@@ -276,14 +276,18 @@ def main(argv):
     deadline = time.monotonic() + _BUDGET_S.value
     probe_s = min(120.0, 0.15 * _BUDGET_S.value)
     try:  # a hung start-up must not end the check before its stages (each has a limit)
+        # protobuf too: the carried tensorflow-metadata wheel's generated code checks the
+        # runtime's version at import (rl_loop's TFDS import fails on an older one).
         probe = subprocess.run([sys.executable, "-c", "import jax; d = jax.devices()[0]; "
+                                "import importlib.metadata as m; "
                                 "print(jax.__version__, jax.default_backend(), d.device_kind, "
-                                "len(jax.devices()))"], cwd=REPO, env=env, capture_output=True,
-                               text=True, timeout=probe_s)  # fmt: skip
+                                "len(jax.devices()), 'protobuf', m.version('protobuf'))"],
+                               cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=probe_s)  # fmt: skip
         report["platform"] = (probe.stdout or probe.stderr).strip().splitlines()[-1:]
     except subprocess.TimeoutExpired:
         report["platform"] = [f"probe timed out after {probe_s:.0f} s"]
-    say(f"jax version, backend, device, count: {report['platform']}")
+    say(f"jax version, backend, device, count, protobuf: {report['platform']}")
     for i, name in enumerate(_STAGES.value):
         budget = stage_budget(max(deadline - time.monotonic(), 0.0), _STAGES.value[i:])
         argv = _stage_argv(name, out, scratch, budget, dry)

@@ -10,7 +10,9 @@
 # most of tensorflow-datasets' needs; missing are the packages below (versions as pinned here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+exclude="$(git rev-parse --git-path info/exclude)"  # also in a worktree (.git is a file there)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 PACKAGES=(
   ml-collections==1.1.0 tensorflow-datasets==4.9.10 array-record==0.8.6 dm-tree==0.1.10
   immutabledict==4.3.1 simple-parsing==0.1.9 docstring-parser==0.18.0

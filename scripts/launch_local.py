@@ -97,10 +97,12 @@ def main(argv):
         if FLAGS.devices_per_process:
             n = FLAGS.devices_per_process
             env["TLT_LOCAL_DEVICE_IDS"] = ",".join(str(i * n + k) for k in range(n))
-        core = cores[i] if FLAGS.pin_cores else None
-        preexec = (lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, preexec_fn=preexec)  # fmt: skip
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        if FLAGS.pin_cores:
+            # Pinned from here, not in `preexec_fn` (unsafe once the relay threads run); the
+            # process has only started its interpreter, and its threads inherit the pinning.
+            os.sched_setaffinity(proc.pid, {cores[i]})
         procs.append(proc)
         relay = threading.Thread(target=_relay, args=(i, proc.stdout), daemon=True)
         relay.start()

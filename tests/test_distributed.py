@@ -68,3 +68,14 @@ def test_launcher_refuses_a_port_out_of_range():
                           "--port=70000", "--", "true"], capture_output=True, text=True,
                          timeout=60)  # fmt: skip
     assert run.returncode != 0 and "--port" in run.stderr and "65535" in run.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_pin_cores_pins_process_i_to_core_i():
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "launch_local.py"),
+                          "--num_processes=2", "--pin_cores", "--", sys.executable, "-c",
+                          "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert f"[0] [{cores[0]}]" in run.stdout and f"[1] [{cores[1]}]" in run.stdout

@@ -433,3 +433,15 @@ def test_rows_per_micro_batch_are_multiples_of_the_data_degree():
     for rows in range(1, 40):
         sizes = packing.split_rows(rows, 24, multiple=4)
         assert all(s % 4 == 0 for s in sizes) and sum(sizes) >= rows
+
+
+def test_an_empty_prompt_is_refused_by_both_layouts():
+    """With an empty prompt, packing predicted the response's first token from the previous
+    piece's last token (another group's response) or from itself."""
+    prompts, responses = [(7, 8, 9), ()], [[1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        packing.packed_micro_batches(prompts, responses, [[0, 1]], 1, np.ones(2, bool),
+                                     row_len=16, max_rows=4, include_silent=True)  # fmt: skip
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        packing.padded_micro_batches(prompts, responses, [[[0, 1]]], 1, np.ones(2, bool),
+                                     min_bucket=8, max_prompt=8, max_response=8)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import math
 import re
 
@@ -612,6 +613,16 @@ def test_without_a_sink_the_recompute_holds_no_features(tmp_path):
     ((old, features),) = seen
     assert old >= 1 and features == {}
     assert record["logprob_diff"] < 1e-4  # the recompute ran
+
+
+def test_training_bfloat16_params_warns(tmp_path, caplog):
+    """optax keeps AdamW's updates in the params' dtype: most small updates round away in
+    bfloat16, and nothing said so."""
+    with caplog.at_level(logging.WARNING, logger="tlt_jax"):
+        trainer = Trainer(tiny_config(**{"model.param_dtype": "bfloat16"}), tmp_path,
+                          progress=False)  # fmt: skip
+        trainer.close()
+    assert "model.param_dtype='bfloat16'" in caplog.text and "param_dtype=float32" in caplog.text
 
 
 def test_sink_features_match_the_policy_forward(tmp_path):

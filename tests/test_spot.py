@@ -178,6 +178,12 @@ def test_exact_steps_run_after_the_rollout_when_no_idle_window_held_them(two_sli
     # Exact steps ignore the stop: whatever they run past the rollout is no preemption.
     assert report.preemption_latency_s is None
     assert report.metrics()["spot_preempted_windows"] == 0
+    # Each slice's events cover its step without a gap: the trainer slice waited (idle) from
+    # its own finish until the exact steps began (that interval was in no event).
+    for name in (s.index for s in two_slices):
+        spans = sorted((e.start, e.end) for e in report.events if e.slice == name)
+        assert spans[0][0] == 0.0
+        assert all(a[1] == pytest.approx(b[0]) for a, b in zip(spans, spans[1:], strict=False))
 
 
 class _Straggler:

@@ -363,6 +363,8 @@ class SpotScheduler:
             name = self.slices[i].index
             report.events.append(SliceEvent(name, "busy", 0.0, t))
             if i == report.trainer_slice:
+                if train_span[0] > t:  # an exact-steps trainer that started after the rollout
+                    report.events.append(SliceEvent(name, "idle", t, train_span[0]))
                 report.events.append(SliceEvent(name, "training", *train_span))
                 tail = (train_span[1], boundary)
             else:

@@ -147,12 +147,22 @@ class MicroBatch:
 # ----------------------------------------------------------------------------- padded
 
 
+def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    """Refuses an empty prompt: a response's first token is predicted from its prompt's last
+    (with none, packing took the previous piece's last token, or the token itself)."""
+    for q, prompt in enumerate(prompts):
+        if not len(prompt):
+            raise ValueError(f"prompt {q} is empty; expected at least one token (a response's "
+                             "first token is predicted from its prompt's last)")  # fmt: skip
+
+
 def padded_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                          plan: list[list[list[int]]], group_size: int, has_signal: np.ndarray,
                          *, min_bucket: int, max_prompt: int, max_response: int
                          ) -> list[list[MicroBatch]]:  # fmt: skip
     """Micro-batches of whole groups padded to power-of-two buckets (`plan` from
     `step.plan_micro_batches`: group indices per micro-batch per mini-batch)."""
+    _check_prompts(prompts)
     out = []
     for mini in plan:
         micros = []
@@ -420,6 +430,7 @@ def packed_micro_batches(prompts: Sequence[Sequence[int]], responses: Sequence[S
     split as for one process. With `prefix_width`, rows may continue a prompt laid out in
     another row of their micro-batch and data shard (`share_prompt_rows`).
     """
+    _check_prompts(prompts)
     prompt_lens = [len(p) for p in prompts]
     response_lens = [len(r) for r in responses]
     out = []
