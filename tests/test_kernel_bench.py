@@ -335,9 +335,18 @@ def test_goals_read_the_devices_time_where_one_was_measured(monkeypatch):
     case = kernel_bench.shape_cases("tiny")[0]
     inputs = kernel_bench.make_inputs(case, jnp.float32, interpret=True)
     prepared = IMPLEMENTATIONS["xla"].prepare(inputs)
-    ms = cases.chained_device_ms(tree_attention_reference, inputs.args,
-                                 case.live_bytes(4), num_runs=4)  # fmt: skip
+    # Every chained call gets its own copy of the inputs: calls sharing one shared XLA's work
+    # on it (the reference's upcast of the cache ran once for all of them).
+    monkeypatch.setattr(cases, "L2_BYTES", case.live_bytes(4) * 5)  # 10 copies wanted
+    caches = []
+
+    def recording(q, k_cache, *rest):
+        caches.append(k_cache)
+        return tree_attention_reference(q, k_cache, *rest)
+
+    ms = cases.chained_device_ms(recording, inputs.args, case.live_bytes(4), num_runs=4)
     assert 0 < ms < 1e3
+    assert len(caches) == 10 and len({id(c) for c in caches}) == 10
     timed = dataclasses.replace(prepared, device_ms=lambda runs: 1e-3)
     figures, _ = runner._time(timed, num_runs=2, num_warmup=0)
     assert figures["device_ms"] == figures["goal_ms"] == 1e-3 < figures["median_ms"]

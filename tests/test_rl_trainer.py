@@ -382,8 +382,8 @@ def test_the_report_gives_the_runs_ratios_not_means_of_the_steps():
         r.update(compile_s=compile_s, rollout_compile_s=compile_s / 2,
                  decode_tokens_per_s=decode_tps)  # fmt: skip
     table = run.phase_table(records)
-    assert ("compiling inside the steps: 41.0 s (37.3% of the steps), 20.5 slice-s of it in "
-            "rollouts") in table  # fmt: skip
+    assert ("compiling inside the steps: 41.0 s (37.3% of the steps; process 0's); inside "
+            "rollouts 20.5 slice-s over every slice") in table  # fmt: skip
     assert "generated tokens/s in rollout: 17.3 (17.3 in decode time without compiles)" in table
     # 10 SD steps of 110 decode steps; acceptance (1 * 1 + 3 * 9) / 10 rows.
     assert "SD in 9.1% of decode steps (10 steps); acceptance length ngram 2.80;" in table

@@ -137,7 +137,9 @@ def plot_rollout_timeline(timeline: Sequence[Sequence[Any]], threshold: int,
 
     Args:
       timeline: `EngineStats.timeline` rows (seconds since the rollout started, running
-        requests, arm), arm "plain" or "<source>:<strategy>"; or the rows of `load_timeline`.
+        requests, arm, compile seconds), arm "plain" or "<source>:<strategy>"; or the rows of
+        `load_timeline`. The x axis is wall time (compiles included); the tail share written
+        on it leaves the compiles out, as `timing.tail_stats` does.
       threshold: the SD threshold (running requests) the rollout ran with.
       path: the PNG to write.
       title: the plot's title; the step counts and time are appended.

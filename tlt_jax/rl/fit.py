@@ -337,11 +337,11 @@ def compile_memory(programs: Programs) -> dict[str, dict[str, int]]:
 def fit_row(programs: Programs, memory: dict[str, dict[str, int]] | None = None) -> dict:
     """What one device holds, by component, and whether it fits each chip of `MEMORY_GB`.
 
-    Resident in a colocated run: the train state, the rollout copy, the KV cache and the
-    drafter (params, cache, optimizer). The peak adds, over the resident bytes, the larger of
-    the update (gradient accumulator + the train programs' temporaries) and the rollout
-    programs' temporaries; without compiled temporaries (abstract meshes) only the
-    accumulator, and the verdict says `state only`.
+    Resident in a colocated run: the train state, the rollout copy, the KV cache, the
+    drafter (params, cache, optimizer) and, with a KL term, the frozen reference params. The
+    peak adds, over the resident bytes, the larger of the update (gradient accumulator + the
+    train programs' temporaries) and the rollout programs' temporaries; without compiled
+    temporaries (abstract meshes) only the accumulator, and the verdict says `state only`.
     """
     sizes = programs.bytes_per_device
     resident = sum(v for k, v in sizes.items() if k != "grad_accumulator")

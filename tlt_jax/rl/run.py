@@ -135,8 +135,9 @@ def phase_table(records: list[dict[str, Any]]) -> str:
     compile_s = sum(float(r.get("compile_s", 0.0)) for r in records)
     rollout_compile_s = sum(float(r.get("rollout_compile_s", 0.0)) for r in records)
     lines.append(f"compiling inside the steps: {compile_s:.1f} s ({compile_s / step_total:.1%}"
-                 f" of the steps), {rollout_compile_s:.1f} slice-s of it in rollouts; the "
-                 "tail and decode figures below leave it out")  # fmt: skip
+                 f" of the steps; process 0's); inside rollouts {rollout_compile_s:.1f} "
+                 "slice-s over every slice, which the tail and decode figures below leave "
+                 "out")  # fmt: skip
     decoding = ""
     if all("decode_tokens_per_s" in r for r in records):
         decode_tps = _pooled(records, "generated_tokens", "rollout_decode_s",

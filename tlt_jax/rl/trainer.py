@@ -64,7 +64,7 @@ from tlt_jax.metrics.plots import (
 from tlt_jax.metrics.progress import progress_bar
 from tlt_jax.metrics.writer import MetricsWriter, read_metrics
 from tlt_jax.parallel import sharding as sharding_lib
-from tlt_jax.parallel.distributed import ProcessGroup
+from tlt_jax.parallel.distributed import TIMEOUT_MS, ProcessGroup
 from tlt_jax.programs import ProgramPool, abstract_like
 from tlt_jax.rl import evaluation, packing, policy, rollout_slices, spot
 from tlt_jax.rl import step as step_lib
@@ -182,7 +182,7 @@ class Trainer:
             log.warning("training %s params (model.param_dtype=%r): most small optimizer "
                         "updates round away; set --config.model.param_dtype=float32 (compute "
                         "can stay in model.dtype)", model.config.param_dtype,
-                        cfg.model.param_dtype)  # fmt: skip
+                        cfg.model.param_dtype or "(the model's)")  # fmt: skip
         context = None
         if self.mesh is not None:
             rules = sharding_lib.rules_for("train")
@@ -579,7 +579,9 @@ class Trainer:
         parted (mismatched collectives, or an update mixing two sets of advantages)."""
         cfg, key = self.config.rl, f"rewards/{step}"
         if self.group.count > 1 and not self.group.is_primary:
-            return RewardResult.from_json(self.group.wait_for(key, 0))
+            # As long as process 0 may score (every completion up to its timeout).
+            wait_ms = TIMEOUT_MS + int(len(texts) * cfg.reward_timeout_s * 1000)
+            return RewardResult.from_json(self.group.wait_for(key, 0, timeout_ms=wait_ms))
         scored = score_batch(self.reward_fn, texts, answers, timeout_s=cfg.reward_timeout_s,
                              format_weight=cfg.format_weight)  # fmt: skip
         if self.group.count > 1:
