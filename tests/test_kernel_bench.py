@@ -352,3 +352,30 @@ def test_goals_read_the_devices_time_where_one_was_measured(monkeypatch):
     assert figures["device_ms"] == figures["goal_ms"] == 1e-3 < figures["median_ms"]
     figures, _ = runner._time(prepared, num_runs=2, num_warmup=0)  # CPU: no device time
     assert "device_ms" not in figures and figures["goal_ms"] == figures["median_ms"]
+
+
+def test_event_timed_torch_calls_follow_an_l2_flush(monkeypatch):
+    """The torch paths' CUDA-event times reused one input set, warm in L2 under 50 MB, against
+    the JAX paths' HBM-cold chained calls: each timed call now follows a flush, outside its
+    events."""
+    from tlt_jax.kernel_bench import cuda_paths
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            log.append("record")
+            self.t = len(log)
+
+        def elapsed_time(self, end):
+            return float(end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    ms = cuda_paths._cuda_event_ms(lambda: log.append("call"), 3,
+                                   flush=lambda: log.append("flush"))  # fmt: skip
+    assert log == ["flush", "record", "call", "record"] * 3 + ["sync"]
+    assert ms == 2.0  # the events hold the call, not the flush

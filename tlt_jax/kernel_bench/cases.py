@@ -42,9 +42,9 @@ TIMING = (
     "the speedups and the goals use: device_ms, else cuda_event_ms, else median_ms (which "
     "holds each call's dispatch and synchronisation: tens of us against the headline rows' "
     "2.5-250 us at full bandwidth); hbm_fraction_pipelined uses pipelined_ms. The torch "
-    "paths' event times reuse one input set, re-read from the L2 cache (50 MB on an H100 or "
-    "H200) where it fits: on rows under about 50 MB, pallas_ms_over_best_cuda_ms favours "
-    "the CUDA path."
+    "paths' event-timed calls each follow a write of twice the L2 cache's size (outside the "
+    "events, as triton.testing.do_bench does), so they too read their inputs from HBM; "
+    "median_ms and pipelined_ms re-read inputs under the L2's 50 MB from it."
 )
 # Above the L2 cache of an H100 / H200 (50 MB): `device_ms` cycles over input copies that
 # together hold at least twice this, so a call never finds its inputs in L2.
