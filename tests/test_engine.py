@@ -190,6 +190,8 @@ def test_max_new_tokens_one(engine):
         (lambda: SamplingParams(temperature=-0.5), "temperature=-0.5"),
         (lambda: SamplingParams(top_p=0.0), "top_p=0.0"),
         (lambda: SamplingParams(temperature=float("inf")), "temperature=inf must be finite"),
+        # Sampled token 0 with +-inf log-probs (logits / t overflowed exp in float32).
+        (lambda: SamplingParams(temperature=1e-12), "temperature=1e-12 is below 0.0001: use 0"),
         (lambda: SamplingParams(top_k=True), "top_k=True must be an integer"),
         (lambda: EngineConfig(max_batch_size=0), "max_batch_size=0"),
         (lambda: EngineConfig(max_batch_size=True), "max_batch_size=True"),
@@ -219,6 +221,9 @@ def test_prompt_longer_than_context_fails_before_compiling(model):
         eng.generate([Request([1, 2], 4), Request(list(range(60)), 10)])
     with pytest.raises(ValueError, match=r"outside \[0, 256\)"):
         eng.generate([Request([1, 999], 4)])
+    # A stop id outside the vocabulary never matched: the request ran to its cap, silently.
+    with pytest.raises(ValueError, match=r"requests\[0\]: stop ids \[999\] outside"):
+        eng.generate([Request([1, 2], 4, stop_ids=(999,))])
     assert eng.stats.compile_count == 0
 
 

@@ -19,12 +19,14 @@ Policies:
   batch's engine batch bucket (1, 2, 4, ...; TLT's fine-grained groups) holds the arms of the
   BEG bucket `[t_i, t_{i+1})` that contains it: every strategy with that bucket's verify budget,
   for every draft source, plus plain decoding, so a cold or stale drafter costs nothing: the
-  bandit falls back to plain where SD does not pay. Reward = emitted tokens per second
-  (acceptance length x batch / step time), kept in a window of `window` steps per arm; select
+  bandit falls back to plain where SD does not pay. Reward = emitted tokens per running
+  request per second (acceptance length / step time: a step costs what its bucket costs, and
+  the batch falls through a bucket's sizes during the tail, so tokens per second would rank
+  arms by when they ran), kept in a window of `window` steps per arm; select
   untried arms first, else with probability `epsilon` a uniform arm among those that could
-  still win, else the best median. An arm whose best reward in its window is below the
-  leader's median is explored once per `window` steps of its bucket only (TLT explores every
-  arm uniformly; where SD loses that kept losing arms on ~5% of steps).
+  still win, else the best median. An arm with `MIN_SAMPLES_TO_CLOSE` rewards whose best
+  is below the leader's median is explored once per `window` steps of its bucket only (TLT
+  explores every arm uniformly; where SD loses that kept losing arms on ~5% of steps).
   With `epsilon_decay` the exploration probability of an engine bucket falls as
   epsilon / sqrt(1 + n / window) after n SD-mode steps there: TLT's fixed 0.1 explores a
   losing arm on ~7% of steps forever, which alone costs 3-4% where SD runs at half plain
@@ -261,6 +263,11 @@ class BanditConfig:
         return int(np.searchsorted(self.bucket_bounds, num_running, side="right")) - 1
 
 
+# An arm below the leader is closed to exploration (retried once per `window` steps) only
+# after this many rewards of its own.
+MIN_SAMPLES_TO_CLOSE = 3
+
+
 def engine_bucket(num_running: int) -> int:
     """The engine's power-of-two batch bucket of `num_running` (the bandit's state key)."""
     return 1 << max(0, int(num_running) - 1).bit_length()
@@ -272,7 +279,8 @@ class AdaptivePolicy:
     def __init__(self, config: BanditConfig):
         self.config = config
         self._rng = np.random.default_rng(config.seed)
-        # (engine batch bucket, arm name) -> recent rewards (tokens per second).
+        # (engine batch bucket, arm name) -> recent rewards (tokens per running request per
+        # second).
         self._rewards: dict[tuple[int, str], deque] = {}
         self._steps: dict[int, int] = {}  # SD-mode steps per engine bucket, over all rollouts
         self._tried: dict[tuple[int, str], int] = {}  # the bucket step an arm last ran at
@@ -346,10 +354,13 @@ class AdaptivePolicy:
         if explore < self.epsilon_at(key):
             # Explore uniformly among the arms that could still win: an arm whose best
             # recorded reward is below the leader's median is retried once per `window`
-            # steps of the bucket only (a drafter that improves gets its chance back).
+            # steps of the bucket only (a drafter that improves gets its chance back), once
+            # it has `MIN_SAMPLES_TO_CLOSE` rewards (one noisy step closed the better arm for
+            # 300 steps in 6% of simulated runs at 30% timing noise).
             step = self._steps.get(key, 0)
+            enough = min(MIN_SAMPLES_TO_CLOSE, cfg.window)
             open_arms = [a for a, w in zip(arms, windows, strict=True)
-                         if max(w) >= medians[best] or step - self._tried.get(
+                         if len(w) < enough or max(w) >= medians[best] or step - self._tried.get(
                              (key, arm_name(a)), -cfg.window) >= cfg.window]  # fmt: skip
             if open_arms:
                 choice = open_arms[min(int(pick * len(open_arms)), len(open_arms) - 1)]
@@ -370,13 +381,17 @@ class AdaptivePolicy:
             return
         key = (engine_bucket(num_running), arm_name(choice))
         window = self._rewards.setdefault(key, deque(maxlen=self.config.window))
-        window.append(emitted_tokens / seconds)
+        # Per running request: a step costs what its bucket costs, and a bucket holds several
+        # batch sizes (8 holds 5..8) that fall through the tail; in tokens per second an arm
+        # that ran at 8 outranked a faster one that ran at 5.
+        window.append(emitted_tokens / num_running / seconds)
 
     def choice_counts(self) -> dict[str, int]:
         return {f"{b}/{a}": n for (b, a), n in sorted(self.counts.items())}
 
     def median_rewards(self) -> dict[str, float]:
-        """'bucket/arm' -> median reward (tokens per second), for metrics."""
+        """'bucket/arm' -> median reward (tokens per running request per second), for
+        metrics."""
         return {f"{b}/{a}": float(np.median(w)) for (b, a), w in sorted(self._rewards.items())
                 if w}  # fmt: skip
 

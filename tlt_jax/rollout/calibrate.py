@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -63,8 +64,10 @@ class Calibration:
             "threshold": self.threshold,
             "verify_tokens": self.verify_tokens,
             "max_cost_ratio": self.max_cost_ratio,
-            "plain_ms": {str(b): round(v, 3) for b, v in self.plain_ms.items()},
-            "verify_ms": {str(b): round(v, 3) for b, v in self.verify_ms.items()},
+            # Unrounded: a resumed run recomputes its threshold from these (`threshold_at`),
+            # and rounded times moved a ratio of 1.99993 past 2.0 (another threshold).
+            "plain_ms": {str(b): float(v) for b, v in self.plain_ms.items()},
+            "verify_ms": {str(b): float(v) for b, v in self.verify_ms.items()},
             "cost_ratio": {str(b): round(v, 3) for b, v in self.cost_ratio.items()},
             "seconds": round(self.seconds, 2),
             "backend": self.backend,
@@ -72,7 +75,10 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Calibration:
-        return cls(
+        """Raises ValueError for a file that could not have been measured: buckets timed on
+        one side only (a bare KeyError once the run used it), times that are not positive
+        and finite (a ZeroDivisionError), a negative threshold (SD silently off)."""
+        out = cls(
             threshold=int(raw["threshold"]),
             verify_tokens=int(raw["verify_tokens"]),
             max_cost_ratio=float(raw["max_cost_ratio"]),
@@ -81,6 +87,15 @@ class Calibration:
             seconds=float(raw.get("seconds", 0.0)),
             backend=str(raw.get("backend", "")),
         )
+        if set(out.plain_ms) != set(out.verify_ms):
+            raise ValueError(f"plain_ms buckets {sorted(out.plain_ms)} differ from verify_ms "
+                             f"buckets {sorted(out.verify_ms)}")  # fmt: skip
+        times = [*out.plain_ms.values(), *out.verify_ms.values()]
+        if not all(math.isfinite(t) and t > 0 for t in times):
+            raise ValueError(f"step times must be positive and finite milliseconds; got {times}")
+        if out.threshold < 0:
+            raise ValueError(f"threshold={out.threshold} must be >= 0")
+        return out
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)

@@ -257,6 +257,10 @@ def check_requests(requests: Sequence[Request], max_seq_len: int,
             bad = [t for t in req.prompt_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"requests[{i}]: token ids {bad[:5]} outside [0, {vocab_size})")
+            # A stop id no token can be never matches: every such request ran to its cap.
+            bad = [t for t in req.stop_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"requests[{i}]: stop ids {bad[:5]} outside [0, {vocab_size})")
 
 
 @dataclasses.dataclass

@@ -21,6 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The smallest positive temperature a request may sample at (below it: use 0, greedy).
+MIN_TEMPERATURE = 1e-4
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -34,6 +37,11 @@ class SamplingParams:
         if not 0 <= self.temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature={self.temperature} must be finite and >= 0 (0 means "
                              "greedy)")  # fmt: skip
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # logits / t past ~1e9 overflow exp() in float32 once XLA fuses the scaling twice
+            # (max and x - max round differently): token 0 with +-inf log-probs.
+            raise ValueError(f"temperature={self.temperature} is below {MIN_TEMPERATURE}: use 0 "
+                             "for greedy decoding")  # fmt: skip
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if (not isinstance(self.top_k, int | np.integer) or isinstance(self.top_k, bool)
