@@ -274,6 +274,25 @@ def test_long_tail_over_slices_is_wall_time_with_few_requests_running_anywhere()
     assert one["long_tail_share"] == one["slice_tail_share"] == pytest.approx(2 / 3)
 
 
+def test_a_zero_sd_threshold_counts_the_tail_at_the_report_threshold():
+    """A calibration where SD never pays gives threshold 0; the tail, counted there, was 0 in
+    every step (the run reported no tail at all)."""
+    import types
+
+    from tlt_jax.rl import policy
+    from tlt_jax.rl.rollout_slices import RolloutSlices
+
+    assert RolloutSlices.tail_threshold.fget(types.SimpleNamespace(threshold=0)) == 32
+    assert RolloutSlices.tail_threshold.fget(types.SimpleNamespace(threshold=8)) == 8
+    timeline = [(1.0, 40), (3.0, 10)]
+    spec = {"spec": 0, "plain": 2, "rows": {}, "tokens": {}, "choices": {}, "threshold": 0,
+            "tail_threshold": policy.REPORT_THRESHOLD}  # fmt: skip
+    tail = {**timing.tail_stats(timeline, policy.REPORT_THRESHOLD), "timeline": timeline}
+    out = spot.combine_rollout_stats([{"tail": [tail], "spec": spec}], sliced=False)
+    assert out["long_tail_share"] == pytest.approx(2 / 3)
+    assert (out["sd_threshold"], out["long_tail_threshold"]) == (0, 32)
+
+
 def test_long_tail_over_processes_places_each_timeline_at_its_process_start():
     # Both processes: 4 running until 1 s, then 1 until 2 s, on their own clocks; process b
     # started 1 s after a (a wrote the last checkpoint). On a's clock b's steps end at 2, 3 s:

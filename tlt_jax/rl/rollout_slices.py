@@ -103,6 +103,13 @@ class RolloutSlices:
         return self.slices[0].engine
 
     @property
+    def tail_threshold(self) -> int:
+        """Where the long tail is counted: at the SD threshold, or at
+        `policy.REPORT_THRESHOLD` where that is 0 (calibrated SD never pays; counted at 0 the
+        run reported no tail at all)."""
+        return self.threshold or policy.REPORT_THRESHOLD
+
+    @property
     def single(self) -> bool:
         return len(self.slices) == 1 and self.group.count == 1
 
@@ -153,7 +160,7 @@ class RolloutSlices:
         self.last_timeline = list(self.engine.stats.timeline)
         self.last_report = report
         stats = self.group.allgather(f"rollout_stats/{step}", {
-            "tail": [_tail(list(s.engine.stats.timeline), self.threshold)
+            "tail": [_tail(list(s.engine.stats.timeline), self.tail_threshold)
                      for s in self.slices],
             "spec": self._spec_metrics(before),
             "spot": report.metrics(),
@@ -179,6 +186,7 @@ class RolloutSlices:
                        for k in sources},
             "choices": choices,
             "threshold": self.threshold,
+            "tail_threshold": self.tail_threshold,
         }  # fmt: skip
 
     # -- the step boundary -----------------------------------------------------------------

@@ -253,7 +253,8 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
                  for s, offset in zip(stats, offsets, strict=True) for t in s["tail"]]  # fmt: skip
     decode_s = [t["rollout_decode_s"] + offset
                 for s, offset in zip(stats, offsets, strict=True) for t in s["tail"]]  # fmt: skip
-    threshold = int(stats[0]["spec"]["threshold"])
+    spec0 = stats[0]["spec"]
+    threshold = int(spec0.get("tail_threshold", spec0["threshold"]))
     run_tail = timing.tail_stats(timing.merge_timelines(timelines), threshold)
     slice_total = sum(t["rollout_decode_s"] for t in tails)
     slice_tail = sum(t["long_tail_s"] for t in tails)
@@ -270,7 +271,8 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
     spec = sum(s["spec"]["spec"] for s in stats)
     plain = sum(s["spec"]["plain"] for s in stats)
     out.update(sd_step_share=spec / (spec + plain) if spec + plain else 0.0, sd_steps=spec,
-               decode_steps=spec + plain, sd_threshold=stats[0]["spec"]["threshold"])  # fmt: skip
+               decode_steps=spec + plain, sd_threshold=spec0["threshold"],
+               long_tail_threshold=threshold)  # fmt: skip
     for source in sorted({k for s in stats for k in s["spec"]["rows"]}):
         rows = sum(s["spec"]["rows"].get(source, 0) for s in stats)
         if rows:

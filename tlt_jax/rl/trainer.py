@@ -796,7 +796,8 @@ class Trainer:
             title = f"step {self.step_count} rollout" + (
                 f", slice 0 of {slices} (its requests only)" if slices > 1 else ""
             )
-            paths += save_timeline(self._last_timeline, self.threshold, out / TIMELINE_FILE,
+            paths += save_timeline(self._last_timeline, self.rollouts.tail_threshold,
+                                   out / TIMELINE_FILE,
                                    title=title)  # fmt: skip
         report = self.rollouts.last_report
         if report is not None and len(report.finish_s) > 1:  # this process's slices
