@@ -75,6 +75,12 @@ def test_long_tail_ratio_needs_one_threshold_and_acceptance_is_pooled_by_rows():
     assert s["long_tail_thresholds"] == {"plain": [32], "tlt": [8]}
     runs["plain"][0][1]["sd_threshold"] = 8
     assert bft.summarize(runs, warmup=1)["long_tail_speedup"]["runs"] == [2.0]
+    # SD calibrated off (threshold 0) counts its tail at 32, as a plain side does.
+    runs["plain"][0][1].update(sd_threshold=32, long_tail_threshold=32)
+    runs["tlt"][0][1].update(sd_threshold=0, long_tail_threshold=32)
+    assert bft.summarize(runs, warmup=1)["long_tail_speedup"]["runs"] == [2.0]
+    runs["plain"][0][1]["sd_threshold"] = runs["tlt"][0][1]["sd_threshold"] = 8
+    del runs["plain"][0][1]["long_tail_threshold"], runs["tlt"][0][1]["long_tail_threshold"]
     # Acceptance over the run's SD rows: a step with 1 row at 3.0 and one with 9 rows at 1.0
     # give 1.2 (the steps' mean would be 2.0); a step without SD of the source counts no row.
     tlt = runs["tlt"][0]

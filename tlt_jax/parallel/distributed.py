@@ -116,24 +116,16 @@ def exit_on_failure() -> Iterator[None]:
     launcher (or the cluster's scheduler) sees the failure and stops the others."""
     try:
         yield
-    except SystemExit as e:
-        if e.code in (0, None) or not jax.distributed.is_initialized():
-            raise  # a clean exit ends like any other (all processes reach the shutdown)
-        _exit_now()
-    except BaseException:
+    except BaseException as e:
+        clean = isinstance(e, SystemExit) and e.code in (0, None)  # ends like any other exit
         # Not `jax.process_count()`: before `initialize_from_env` it would start the backends
         # (and take the GPUs) only to re-raise.
-        if not jax.distributed.is_initialized():
+        if clean or not jax.distributed.is_initialized():
             raise
-        _exit_now()
-
-
-def _exit_now() -> None:
-    """Prints the exception being handled and ends this process with status 1."""
-    traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 class ProcessGroup:

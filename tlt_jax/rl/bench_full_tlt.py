@@ -44,7 +44,7 @@ PER_STEP = ("step_time", "compile_s", "time_rollout", "time_update", "time_logpr
             "response_len_mean", "response_len_max", "reward_mean", "sd_step_share",
             "accept_len_eagle", "accept_len_ngram", "accept_len_hybrid", "drafter_version",
             "drafter_steps", "spot_reclaimed_share", "spot_idle_slice_s", "sd_threshold",
-            "sd_steps", "decode_steps", "sd_rows_eagle", "sd_rows_ngram",
+            "long_tail_threshold", "sd_steps", "decode_steps", "sd_rows_eagle", "sd_rows_ngram",
             "sd_rows_hybrid")  # fmt: skip
 
 
@@ -82,6 +82,13 @@ def read_steps(workdir: Path) -> list[dict]:
     return [{"step": s, **{k: by_step[s].get(k) for k in PER_STEP}} for s in sorted(by_step)]
 
 
+def _tail_threshold(row: dict) -> int | None:
+    """Where a step counted its long tail (`long_tail_threshold`; the SD threshold in records
+    written before it, which counted there)."""
+    value = row.get("long_tail_threshold")
+    return row.get("sd_threshold") if value is None else value
+
+
 def _ratio(a: float, b: float) -> float | None:
     return a / b if a > 0 and b > 0 else None
 
@@ -95,7 +102,8 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
     """Speedups over the measured steps of every pair; `runs[side][pair]` are `read_steps` rows.
 
     A ratio is formed for each step both runs of a pair measured (a run cut short keeps the
-    steps it logged). The long tail is counted at each run's SD threshold: a step whose sides
+    steps it logged). The long tail is counted at each run's tail threshold (its SD threshold,
+    or `policy.REPORT_THRESHOLD` where that is 0): a step whose sides
     counted theirs at different thresholds (a plain side without the TLT side's calibration
     file falls back to `policy.REPORT_THRESHOLD`; pass `--override` to both) forms no
     `long_tail` ratio, and `long_tail_thresholds` says which thresholds the sides used."""
@@ -121,7 +129,7 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
                 / (t["time_rollout"] / t["generated_tokens"])
                 if p.get("generated_tokens") and t.get("generated_tokens") else None,
                 "long_tail": ratio("long_tail_s")
-                if p.get("sd_threshold") == t.get("sd_threshold") else None,
+                if _tail_threshold(p) == _tail_threshold(t) else None,
                 "update": ratio("time_update"),
             }  # fmt: skip
             for key, value in values.items():
@@ -141,7 +149,7 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
                                for side, rows in measured.items()}  # fmt: skip
     out["long_tail_share_plain"] = _mean(r["long_tail_share"] for r in measured.get("plain", []))
     out["long_tail_thresholds"] = {
-        side: sorted({int(r["sd_threshold"]) for r in rows if r.get("sd_threshold") is not None})
+        side: sorted({int(_tail_threshold(r)) for r in rows if _tail_threshold(r) is not None})
         for side, rows in measured.items()}  # fmt: skip
     tlt = measured.get("tlt", [])
     # The run's ratios (SD steps over decode steps, tokens per SD row), as its report pools
