@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import matplotlib.image
 import numpy as np
@@ -366,3 +368,20 @@ def test_benchmark_json_is_strict_and_metrics_keep_non_finite_values_readable(tm
     }
     assert json.loads(to_json(result, indent=None))["ratio"]["32"] is None
     assert jsonable({"loss": float("nan"), "kl": -math.inf}) == {"loss": "nan", "kl": "-inf"}
+
+
+def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX's writer imports torch when it is installed (2.5 s of every run's start
+    here); a fresh process writes its events without it, and torch still imports after.
+    A NaN written on purpose is not warned about (five log lines a step of a TLT run)."""
+    pytest.importorskip("torch")
+    code = ("import sys; from tlt_jax.metrics.writer import MetricsWriter; "
+            f"w = MetricsWriter({str(tmp_path)!r}); "
+            "w.write({'step': 1, 'loss': 0.5, 'accept_len_eagle': float('nan')}); "
+            "w.close(); assert 'torch' not in sys.modules, 'torch imported'; "
+            "import torch; print(torch.zeros(2).sum().item())")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "0.0" and "NaN or Inf" not in run.stderr, run.stderr
+    shown = _tensorboard_view(tmp_path / "tensorboard")
+    assert np.isnan(shown.pop(("accept_len_eagle", 1))) and shown == {("loss", 1): 0.5}

@@ -960,12 +960,19 @@ def test_evaluate_run_refuses_a_checkpoint_of_another_model(tmp_path):
 
 
 def test_a_resumed_run_reuses_the_before_evaluation_only_under_the_same_eval_settings(
-        tmp_path):  # fmt: skip
+        tmp_path, monkeypatch):  # fmt: skip
     """`eval_before.json` (the untrained policy's, which a resumed run cannot redo) is the
     run's own only under the same eval settings: a run resumed with another
     `eval.num_problems` reported a paired difference over other problems, or failed in its
-    report after training ("not the same problems")."""
+    report after training ("not the same problems"). Each run draws its plots once (the
+    run's end drew the last step's a second time)."""
+    from tlt_jax.rl import trainer as trainer_module
     from tlt_jax.rl.run import train_and_evaluate
+
+    drawn = []
+    write_plots = trainer_module.write_plots
+    monkeypatch.setattr(trainer_module, "write_plots",
+                        lambda *a, **k: drawn.append(1) or write_plots(*a, **k))  # fmt: skip
 
     def run(num_problems):
         config = tiny_config(total_steps=1, plot_every=100,
@@ -974,8 +981,10 @@ def test_a_resumed_run_reuses_the_before_evaluation_only_under_the_same_eval_set
 
     first = run(4)
     assert first["before"]["num_problems"] == 4 and first["paired"]["n"] == 4
+    assert len(drawn) == 1 and first["plots"]
     same = run(4)  # resumed at step 1: nothing to train, the saved before-result is reused
     assert same["before"] == first["before"] and same["paired"]["n"] == 4
+    assert len(drawn) == 2  # its steps ran before: no timeline of its own, the rest anew
     other = run(2)
     assert other["after"]["num_problems"] == 2
     assert other["before"] is None and other["paired"] is None

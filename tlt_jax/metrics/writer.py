@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,28 @@ from tlt_jax.files import jsonable, write_text_atomic
 METRICS_FILE = "metrics.jsonl"
 log = logging.getLogger(__name__)
 _TAG_INVALID = re.compile(r"[^-/\w.]")  # what tensorboardX's own tag cleaning replaces
+
+
+def _tensorboardx():
+    """tensorboardX, imported without torch.
+
+    Its writer imports torch whenever torch is installed (to accept torch tensors): 2.5 s of
+    every run's start on this CPU, for a writer that is only ever given numpy values. With
+    torch not yet imported, the import sees none (its `ImportError` path, which tensorboardX
+    supports); torch itself stays importable afterwards.
+    """
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while this is set
+        try:
+            import tensorboardX
+        finally:
+            del sys.modules["torch"]
+    import tensorboardX
+
+    # A NaN scalar is a value written on purpose (a figure with no data this step, e.g. no
+    # EAGLE verify step): tensorboardX warned for each, five lines a step of a TLT run.
+    logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
+    return tensorboardX
 
 
 def _is_number(value: Any) -> bool:
@@ -109,15 +132,13 @@ class MetricsWriter:
         self._tensorboard = tensorboard
         self._purge_step: int | None = None
         if tensorboard:  # the event file is opened on first use (after a resume's truncation)
-            import tensorboardX  # noqa: F401  (fail here, not at the first step, if missing)
+            _tensorboardx()  # fail here, not at the first step, if it is missing
 
     def _tensorboard_writer(self):
         if self._tb is None and self._tensorboard:
-            from tensorboardX import SummaryWriter
-
             logdir = str(self.workdir / "tensorboard")
             purge = {} if self._purge_step is None else {"purge_step": self._purge_step}
-            self._tb = SummaryWriter(logdir, **purge)
+            self._tb = _tensorboardx().SummaryWriter(logdir, **purge)
         return self._tb
 
     def truncate_after(self, step: int) -> None:

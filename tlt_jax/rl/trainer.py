@@ -273,6 +273,7 @@ class Trainer:
         self.between_steps_s = 0.0  # this process's seconds between steps (`train`)
         self._last_timeline: list = []
         self._after_rollout_s = 0.0
+        self._plotted: tuple[int, list[Path]] | None = None  # (step, paths) last drawn
         self._feature_shape_cache: dict = {}
 
     # -- compilation ---------------------------------------------------------------------------
@@ -784,9 +785,14 @@ class Trainer:
         return self.rollouts.export_drafter(self.workdir)
 
     def plot(self) -> list[Path]:
-        """Per-step plots, and the last rollout's timeline (running requests, SD shaded)."""
+        """Per-step plots, and the last rollout's timeline (running requests, SD shaded).
+
+        Drawn once per step: the run's end asks again after the last step drew them (5 s of a
+        tiny run on this CPU, matplotlib's rendering)."""
         if not self.group.is_primary:
             return []
+        if self._plotted is not None and self._plotted[0] == self.step_count:
+            return list(self._plotted[1])
         out = self.workdir / "plots"
         paths = write_plots(read_metrics(self.workdir), out, cap=self.config.rollout.max_new_tokens)
         if self._last_timeline:
@@ -805,6 +811,7 @@ class Trainer:
                 report.events, out / SLICE_TIMELINE_FILE, after_s=self._after_rollout_s,
                 title=f"step {self.step_count}: decode / idle / drafter training / update",
             ))  # fmt: skip
+        self._plotted = (self.step_count, list(paths))
         return paths
 
     def evaluate(self, num_problems: int | None = None) -> evaluation.EvalResult:
