@@ -200,6 +200,12 @@ def test_fixed_and_scheduled_policies():
         (dict(warmup_steps=-1), r"spec.warmup_steps=-1 must be an integer >= 0"),
         (dict(strategies=(("4,1,9",), ("3,1,4",), ("1,1,2",))), "verify_tokens=9"),
         (dict(strategies=((), ("3,1,4",), ("1,1,2",))), r"spec.strategies\[0\] is empty"),
+        # Accepted before: 2.5 truncated to bucket 2, an arm twice (its rewards split between
+        # the copies), and a TypeError from the comparison.
+        (dict(bucket_bounds=(1, 2.5, 5)), r"spec.bucket_bounds=\(1, 2.5, 5\) must be integers"),
+        (dict(strategies=(("4,1,5", "4,1,5"), ("3,1,4",), ("1,1,2",))), "a strategy twice"),
+        (dict(sources=("ngram", "ngram")), "each once"),
+        (dict(epsilon="0.1"), "spec.epsilon='0.1' must be in"),
     ],
 )
 def test_bandit_config_errors_name_the_field(kwargs, match):

@@ -220,6 +220,10 @@ class BanditConfig:
     epsilon_decay: bool = True
 
     def __post_init__(self):
+        integral = all(isinstance(b, int | np.integer) and not isinstance(b, bool)
+                       for b in self.bucket_bounds)  # fmt: skip
+        if not integral:  # int() truncated 2.5 to 2: another bucket than the one asked for
+            raise ValueError(f"spec.bucket_bounds={self.bucket_bounds!r} must be integers")
         object.__setattr__(self, "bucket_bounds", tuple(int(b) for b in self.bucket_bounds))
         object.__setattr__(self, "strategies", tuple(tuple(s) for s in self.strategies))
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -239,14 +243,17 @@ class BanditConfig:
                 raise ValueError(f"spec.strategies[{i}] is empty: every bucket needs at least "
                                  "one strategy")  # fmt: skip
             parsed = [SpecStrategy.parse(s) for s in group]  # raises on a bad string
+            if len(set(parsed)) < len(parsed):  # one arm twice: its rewards split in two
+                raise ValueError(f"spec.strategies[{i}]={group!r} names a strategy twice")
             if len({s.verify_tokens for s in parsed}) > 1:
                 raise ValueError(f"spec.strategies[{i}]={group!r}: a bucket's strategies share "
                                  "one verify budget (BEG-MAB groups strategies by it)")  # fmt: skip
         bad = [s for s in self.sources if s not in DRAFT_SOURCES]
-        if not self.sources or bad:
+        if not self.sources or bad or len(set(self.sources)) < len(self.sources):
             raise ValueError(f"spec.sources={self.sources!r}: expected a non-empty subset of "
-                             f"{list(DRAFT_SOURCES)}")  # fmt: skip
-        if not 0 <= self.epsilon <= 1:
+                             f"{list(DRAFT_SOURCES)}, each once")  # fmt: skip
+        number = isinstance(self.epsilon, int | float | np.number)
+        if not number or isinstance(self.epsilon, bool) or not 0 <= self.epsilon <= 1:
             raise ValueError(f"spec.epsilon={self.epsilon!r} must be in [0, 1]")
 
     def bucket_arms(self, bucket: int) -> tuple[StepChoice | None, ...]:
