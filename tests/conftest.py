@@ -48,9 +48,43 @@ import pytest  # noqa: E402
 def pytest_configure(config):
     """A crash in native code prints the crashing thread only, on the stderr pytest's own
     faulthandler set-up found (after it): with every thread's stack the one that matters
-    scrolled out of a CI log's tail."""
+    scrolled out of a CI log's tail.
+
+    The files go to the workers in `pytest_collection_modifyitems`' order, not in
+    pytest-xdist's own (by test count, `--loadscope-reorder`, 3.6+)."""
     stderr = sys.stderr if hasattr(sys.stderr, "fileno") else sys.__stderr__
     faulthandler.enable(file=os.dup(stderr.fileno()), all_threads=False)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+# Seconds each test file took in a whole-suite run (2 workers, `--dist loadfile`, JUnit times,
+# 2026-12-07; files under 10 s left out). The workers take whole files in this order, the
+# longest first, so that both end together: in pytest-xdist's order (by test count) the two
+# tests of test_multiprocess.py (96 s) and test_checkpointing.py's five (86 s) came last, and
+# one worker ran them while the other had finished.
+_FILE_SECONDS = {
+    "test_rl_trainer.py": 248, "test_tlt_rollout.py": 174, "test_engine.py": 141,
+    "test_speculative.py": 115, "test_model.py": 110, "test_multiprocess.py": 96,
+    "test_accelerator_check.py": 93, "test_spec_bench.py": 92, "test_checkpointing.py": 86,
+    "test_packing.py": 83, "test_spot.py": 78, "test_distributed.py": 61,
+    "test_bench_accept.py": 49, "test_fit.py": 45, "test_drafter.py": 42,
+    "test_bench_versions.py": 31, "test_pool_bench.py": 31, "test_data.py": 29,
+    "test_sampling_fixes.py": 29, "test_sharding.py": 23, "test_decode.py": 21,
+    "test_tree_attention.py": 19, "test_vocab_parallel.py": 17, "test_bench_tlt.py": 17,
+    "test_accept_ceiling.py": 15, "test_bench_update_packing.py": 15, "test_kernel_bench.py": 13,
+    "test_programs.py": 13, "test_ngram.py": 12, "test_configs.py": 12, "test_algorithms.py": 10,
+    "test_plots.py": 10,
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    """Longest files first (`_FILE_SECONDS`; a file not listed counts 0.3 s a test); a file's
+    own tests keep their order."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    items.sort(key=lambda item: -_FILE_SECONDS.get(item.path.name, 0.3 * counts[item.path.name]))
 
 
 @pytest.fixture(autouse=True, scope="module")

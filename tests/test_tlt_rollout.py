@@ -196,7 +196,7 @@ def test_smollm2_adaptive_greedy_equals_plain():
     questions = ["What is 3 + 4 + 5? Think step by step.", "Count from 1 to 8."]
     prompts = [encode(q) for q in questions for _ in range(2)]
     stops = stop_token_ids(tokenizer)
-    requests = [Request(p, n, stop_ids=stops) for p, n in zip(prompts, (24, 32, 40, 48),
+    requests = [Request(p, n, stop_ids=stops) for p, n in zip(prompts, (8, 12, 20, 28),
                                                                 strict=True)]  # fmt: skip
     drafter = init_drafter(model.config, 0)
     want = _engine(model, drafter, batch=4, kv_len=256).generate(requests)
