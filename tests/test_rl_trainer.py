@@ -175,6 +175,18 @@ def test_on_policy_gradient_equals_the_recomputed_one_and_measures_the_sampler_g
         assert float(out[on_policy]["engine_gap"]) == pytest.approx(expected, rel=1e-4)
 
 
+def test_the_recomputed_sampler_gap_is_a_token_mean_over_micro_batches():
+    """Hand-computed: one micro-batch of 1 token off by 1.0, one of 3 tokens off by 0 (and
+    a response with no token). The step's gap is 1/4 (token mean, as the on-policy
+    `engine_gap`); the mean of the micro-batch means said 1/2."""
+    first = step_lib.logprob_gap([np.asarray([-1.0, 0.0])], [[-2.0]])
+    second = step_lib.logprob_gap([np.asarray([-0.5, -0.25, -3.0, 0.0]), np.zeros(3)],
+                                  [[-0.5, -0.25, -3.0], []])  # fmt: skip
+    assert first == (1.0, 1) and second == (0.0, 3)
+    assert (first[0] + second[0]) / (first[1] + second[1]) == 0.25
+    assert step_lib.logprob_gap([np.zeros(2)], [[]]) == (0.0, 0)
+
+
 def optax_norm(tree):
     return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 

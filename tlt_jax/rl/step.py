@@ -525,11 +525,13 @@ def combine_minibatch_metrics(minibatches: Sequence[tuple[dict, dict]]) -> dict[
     return totals
 
 
-def logprob_gap(recomputed: list[np.ndarray], engine: list[list[float]]) -> float:
-    """Mean |engine log-prob - recomputed log-prob| over response tokens (per response)."""
+def logprob_gap(recomputed: list[np.ndarray], engine: list[list[float]]) -> tuple[float, int]:
+    """(sum of |engine log-prob - recomputed log-prob|, response tokens) over responses: a
+    step's gap is the sum over its micro-batches over their token count (a token mean; the
+    mean of micro-batch means weighted a 5-token micro-batch like a 500-token one)."""
     gaps = [np.abs(np.asarray(e, np.float64) - r[: len(e)]) for r, e in
             zip(recomputed, engine, strict=True) if len(e)]  # fmt: skip
-    return float(np.mean(np.concatenate(gaps))) if gaps else 0.0
+    return (float(np.sum(np.concatenate(gaps))), sum(map(len, gaps))) if gaps else (0.0, 0)
 
 
 def plan_micro_batches(has_signal: np.ndarray, group_size: int, micro_batch_size: int,

@@ -527,7 +527,8 @@ class Trainer:
         if self.group.count > 1 and recompute:  # each process recomputed its own micro-batches
             gathered = self.group.allgather(f"logprob_diffs/{step}", logprob_diffs)
             logprob_diffs = sorted((tuple(k), gap) for part in gathered for k, gap in part)
-        logprob_diffs = [gap for _, gap in logprob_diffs]
+        gap_sum = sum(total for _, (total, _) in logprob_diffs)
+        gap_tokens = sum(count for _, (_, count) in logprob_diffs)
         # The busiest process's: every process runs the same silent ones, and the deal of the
         # trained ones is known everywhere (no collective needed).
         dealt = collections.Counter(owners[k] for k in mine + others)
@@ -536,7 +537,7 @@ class Trainer:
         # The sampler's log-probs against the trainer's: from the recompute, or (on-policy)
         # from the update's forward over the trained micro-batches.
         engine_gap = update.pop("engine_gap", 0.0)
-        logprob_diff = float(np.mean(logprob_diffs)) if logprob_diffs else engine_gap
+        logprob_diff = gap_sum / gap_tokens if gap_tokens else engine_gap
         self._after_rollout_s = sum(v for k, v in timer.seconds.items() if k != "rollout")
         compiles_after, compile_s_after = self._compiles()
         lengths = [len(c.token_ids) for c in completions]
