@@ -226,6 +226,7 @@ def test_spec_config_builds_the_bandit_and_rejects_bad_values():
         (dict(draft_sources="ngram,medusa"), "spec.draft_sources"),
         (dict(attention_impl="cuda"), "spec.attention_impl"),
         (dict(strategies=("4,1,5",)), "spec.strategies has 1 buckets"),
+        (dict(bucket_bounds=(1, 2.5, 5, 9)), r"spec.bucket_bounds=\(1, 2.5, 5, 9\) must be"),
     ):
         with pytest.raises(ValueError, match=match):
             SpecConfig(**kwargs)

@@ -387,7 +387,8 @@ class SpecConfig:
     epsilon_decay: bool = True
 
     def __post_init__(self):
-        object.__setattr__(self, "bucket_bounds", tuple(int(b) for b in self.bucket_bounds))
+        # Checked as given (`bandit()` below): int() truncated 2.5 to 2.
+        object.__setattr__(self, "bucket_bounds", tuple(self.bucket_bounds))
         object.__setattr__(self, "strategies", tuple(str(s) for s in self.strategies))
         _require(self.mode in SPEC_MODES,
                  f"spec.mode={self.mode!r} is not one of {list(SPEC_MODES)}")  # fmt: skip
