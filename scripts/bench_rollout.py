@@ -118,14 +118,17 @@ def transformers_run(hf, prompt, batch, new_tokens, temperature):
 
 def load_transformers(model_name):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from tlt_jax.models import checkpoints
 
     path = checkpoints.resolve_model_path(model_name)
     if path.suffix == ".gguf":
+        # The config passed in: without it from_pretrained parses the GGUF's metadata once
+        # more (8 s of SmolLM2's load here).
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=torch.float32)  # fmt: skip
+                                                  config=config, dtype=torch.float32)  # fmt: skip
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return hf.eval()
