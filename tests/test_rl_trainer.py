@@ -267,7 +267,8 @@ def test_long_tail_over_slices_is_wall_time_with_few_requests_running_anywhere()
     assert timing.merge_timelines([a, b]) == [(1.0, 7), (2.0, 5), (3.0, 3), (5.0, 1)]
     assert timing.merge_timelines([a]) == [(1.0, 4), (3.0, 2)]
     assert timing.merge_timelines([[], []]) == []
-    spec = {"spec": 1, "plain": 3, "rows": {}, "tokens": {}, "choices": {}, "threshold": 3}
+    spec = {"spec": 1, "plain": 3, "rows": {}, "tokens": {}, "choices": {}, "threshold": 3,
+            "tail_threshold": 3}  # fmt: skip
 
     def slice_stats(timeline):
         return {**timing.tail_stats(timeline, 3), "timeline": [row[:2] for row in timeline]}
@@ -310,7 +311,8 @@ def test_long_tail_over_processes_places_each_timeline_at_its_process_start():
     # started 1 s after a (a wrote the last checkpoint). On a's clock b's steps end at 2, 3 s:
     # (0, 1] 4 + 4 running (b's requests wait), (1, 2] 1 + 4, (2, 3] 0 + 1. At most 2 running
     # for 1 of 3 s; read as one clock it was (0, 1] 8, (1, 2] 2: 1 of 2 s.
-    spec = {"spec": 0, "plain": 4, "rows": {}, "tokens": {}, "choices": {}, "threshold": 2}
+    spec = {"spec": 0, "plain": 4, "rows": {}, "tokens": {}, "choices": {}, "threshold": 2,
+            "tail_threshold": 2}  # fmt: skip
     timeline = [(1.0, 4), (2.0, 1)]
 
     def process(start_wall):

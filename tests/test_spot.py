@@ -394,7 +394,8 @@ def _stats(spot_metrics) -> dict:
     """One process's `rollout_stats` around its spot metrics (no speculative decoding)."""
     tail = {"timeline": [(1.0, 1)], "rollout_decode_s": 1.0, "long_tail_s": 0.0,
             "sd_tail_s": 0.0}  # fmt: skip
-    spec = {"threshold": 0, "spec": 0, "plain": 1, "rows": {}, "tokens": {}, "choices": {}}
+    spec = {"threshold": 0, "tail_threshold": 0, "spec": 0, "plain": 1, "rows": {},
+            "tokens": {}, "choices": {}}  # fmt: skip
     return {"tail": [tail], "spec": spec, "spot": spot_metrics}
 
 

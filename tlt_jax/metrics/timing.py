@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,13 @@ def without_compiles(timeline: Sequence[tuple]) -> list[tuple]:
         last = max(last, float(row[0]) - compiled)  # never before the row above (rounding)
         out.append((last, *row[1:3]))
     return out
+
+
+def record_tail_threshold(record: dict[str, Any]) -> int | None:
+    """Where a step record counted its long tail: `long_tail_threshold`, or in records written
+    before that key the SD threshold (which counted there); None with neither."""
+    value = record.get("long_tail_threshold")
+    return record.get("sd_threshold") if value is None else value
 
 
 def tail_stats(timeline: Sequence[tuple], threshold: int) -> dict[str, float]:

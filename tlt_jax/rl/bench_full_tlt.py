@@ -82,13 +82,6 @@ def read_steps(workdir: Path) -> list[dict]:
     return [{"step": s, **{k: by_step[s].get(k) for k in PER_STEP}} for s in sorted(by_step)]
 
 
-def _tail_threshold(row: dict) -> int | None:
-    """Where a step counted its long tail (`long_tail_threshold`; the SD threshold in records
-    written before it, which counted there)."""
-    value = row.get("long_tail_threshold")
-    return row.get("sd_threshold") if value is None else value
-
-
 def _ratio(a: float, b: float) -> float | None:
     return a / b if a > 0 and b > 0 else None
 
@@ -129,7 +122,7 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
                 / (t["time_rollout"] / t["generated_tokens"])
                 if p.get("generated_tokens") and t.get("generated_tokens") else None,
                 "long_tail": ratio("long_tail_s")
-                if _tail_threshold(p) == _tail_threshold(t) else None,
+                if timing.record_tail_threshold(p) == timing.record_tail_threshold(t) else None,
                 "update": ratio("time_update"),
             }  # fmt: skip
             for key, value in values.items():
@@ -148,9 +141,10 @@ def summarize(runs: dict[str, dict[int, list[dict]]], warmup: int) -> dict:
     out["generated_tokens"] = {side: _mean(r["generated_tokens"] for r in rows)
                                for side, rows in measured.items()}  # fmt: skip
     out["long_tail_share_plain"] = _mean(r["long_tail_share"] for r in measured.get("plain", []))
-    out["long_tail_thresholds"] = {
-        side: sorted({int(_tail_threshold(r)) for r in rows if _tail_threshold(r) is not None})
-        for side, rows in measured.items()}  # fmt: skip
+    thresholds = {side: [timing.record_tail_threshold(r) for r in rows]
+                  for side, rows in measured.items()}  # fmt: skip
+    out["long_tail_thresholds"] = {side: sorted({int(t) for t in values if t is not None})
+                                   for side, values in thresholds.items()}  # fmt: skip
     tlt = measured.get("tlt", [])
     # The run's ratios (SD steps over decode steps, tokens per SD row), as its report pools
     # them: a step of 1 SD row weighs 1 row.

@@ -126,8 +126,7 @@ def phase_table(records: list[dict[str, Any]]) -> str:
                      f"{sum(values) / step_total:>8.1%}")  # fmt: skip
 
     # Each step counts its tail at its own threshold (a resumed run may be re-calibrated).
-    thresholds = sorted({int(r.get("long_tail_threshold", r.get("sd_threshold", 0)))
-                         for r in records})  # fmt: skip
+    thresholds = sorted({int(timing.record_tail_threshold(r) or 0) for r in records})
     threshold = (str(thresholds[0]) if len(thresholds) == 1
                  else f"{thresholds[0]}-{thresholds[-1]} (by step)")  # fmt: skip
     tail_share = _pooled(records, "long_tail_s", "rollout_decode_s", "long_tail_share")

@@ -254,7 +254,7 @@ def combine_rollout_stats(stats: Sequence[dict[str, Any]], sliced: bool) -> dict
     decode_s = [t["rollout_decode_s"] + offset
                 for s, offset in zip(stats, offsets, strict=True) for t in s["tail"]]  # fmt: skip
     spec0 = stats[0]["spec"]
-    threshold = int(spec0.get("tail_threshold", spec0["threshold"]))
+    threshold = int(spec0["tail_threshold"])
     run_tail = timing.tail_stats(timing.merge_timelines(timelines), threshold)
     slice_total = sum(t["rollout_decode_s"] for t in tails)
     slice_tail = sum(t["long_tail_s"] for t in tails)
