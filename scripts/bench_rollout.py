@@ -116,24 +116,6 @@ def transformers_run(hf, prompt, batch, new_tokens, temperature):
     return run
 
 
-def load_transformers(model_name):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tlt_jax.models import checkpoints
-
-    path = checkpoints.resolve_model_path(model_name)
-    if path.suffix == ".gguf":
-        # The config passed in: without it from_pretrained parses the GGUF's metadata once
-        # more (8 s of SmolLM2's load here).
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  config=config, dtype=torch.float32)  # fmt: skip
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return hf.eval()
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -162,7 +144,7 @@ def main(argv):
     prompt = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     model = checkpoints.load_model(FLAGS.model)
-    hf = load_transformers(FLAGS.model) if FLAGS.transformers else None
+    hf = bench.load_transformers(FLAGS.model) if FLAGS.transformers else None
     others = {d: checkpoints.load_model(FLAGS.model, dtype=d, param_dtype=d) for d in FLAGS.dtypes}
     temperatures = {"greedy": 0.0, "sampled": FLAGS.temperature}
     names = (("tlt_jax", "transformers") + (("tlt_jax_sync",) if FLAGS.sync_side else ())

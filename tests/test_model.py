@@ -24,6 +24,7 @@ from flax import nnx
 from tlt_jax.models import checkpoints
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import KVCache, NewKV, segment_causal_mask, write_kv
+from tlt_jax.rollout.bench import load_transformers
 from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 
 TINY_ATOL = 2e-5
@@ -134,12 +135,7 @@ def test_tiny_configs_read_as_written(tiny):
 def smollm2():
     path = checkpoints.resolve_model_path("smollm2-135m-instruct")
     ours = checkpoints.load_model(path)
-    # The config passed in: from_pretrained parsed the GGUF's metadata for it a second time
-    # (8 s of the fixture's 63 s; transformers' own loading, independent of ours).
-    config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, config=config, dtype=torch.float32
-    ).eval()
+    hf = load_transformers("smollm2-135m-instruct")  # transformers' own GGUF path
     tokenizer = checkpoints.load_tokenizer(path)
     messages = [{"role": "user", "content": "What is 17 times 23? Think step by step."}]
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])

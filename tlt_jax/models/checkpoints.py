@@ -183,12 +183,12 @@ class GGUFSource:
         import gguf
 
         try:
-            self._reader = gguf.GGUFReader(str(path))
+            self.reader = gguf.GGUFReader(str(path))
         except Exception as e:
             raise OSError(f"cannot read GGUF file {path}: {e}") from e
         self.path = path
         self._tensors = {}
-        for tensor in self._reader.tensors:
+        for tensor in self.reader.tensors:
             hf_name = _gguf_to_hf_name(tensor.name)
             if hf_name is None:
                 continue
@@ -201,7 +201,7 @@ class GGUFSource:
             self._tensors[hf_name] = tensor
 
     def field(self, key: str, default=None):
-        field = self._reader.fields.get(key)
+        field = self.reader.fields.get(key)
         return default if field is None else field.contents()
 
     def config(self) -> ModelConfig:
@@ -219,7 +219,7 @@ class GGUFSource:
                 f"GGUF {arch}.rope.scaling.type={scaling_type!r} in {self.path}; "
                 "expected 'none' or 'linear'"
             )
-        if any(t.name == "rope_freqs.weight" for t in self._reader.tensors):
+        if any(t.name == "rope_freqs.weight" for t in self.reader.tensors):
             # Llama 3.1 GGUFs carry their RoPE scaling as a tensor of per-frequency factors.
             raise ValueError(
                 f"GGUF tensor 'rope_freqs.weight' (per-frequency RoPE factors) in {self.path} "

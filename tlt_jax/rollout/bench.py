@@ -19,7 +19,9 @@ identical greedy output.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -43,6 +45,59 @@ from tlt_jax.rollout.engine import EngineConfig, Request, RolloutEngine
 log = logging.getLogger(__name__)
 WARM_TOKENS = 4  # a prefill, a plain step and SD steps: compiles every program of a config
 GOAL_ADAPTIVE_OVER_PLAIN = 0.98
+
+
+def load_transformers(model_name: str):
+    """HF transformers' own model of `model_name` (a preset name or path; float32, eval mode):
+    the independent reference of the parity tests and `scripts/bench_rollout.py`.
+
+    A GGUF file is loaded by transformers' GGUF path (its own dequantisation), inside
+    `_gguf_parsed_once`: the same result, 36 -> 11 s for SmolLM2 on this project's CPU VM."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tlt_jax.models import checkpoints
+
+    path = checkpoints.resolve_model_path(model_name)
+    if path.suffix != ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with _gguf_parsed_once(path):
+        # The config passed in, or from_pretrained reads it from the metadata once more.
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  config=config, dtype=torch.float32)  # fmt: skip
+    return hf.eval()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once(path: Path):
+    """Within the block, `gguf`'s reader of `path` and its tensor-name maps are made once.
+
+    transformers (5.x) parses a GGUF file's metadata in Python for the config and again for the
+    weights (~10 s each for SmolLM2's 147k fields), and builds `gguf.get_tensor_name_map(arch,
+    layers)` once per submodule of the model (397 times, 14 s). Both are `gguf`'s pure functions
+    of their arguments, and the reader is read-only (a memmap opened "r"), so the block hands
+    transformers the reader this process's own loader already parsed (`checkpoints.gguf_source`)
+    and one name map per (arch, layers): what transformers computes is unchanged, and it stays
+    independent of our dequantisation and model code (only `gguf`'s parse is shared)."""
+    import gguf
+
+    from tlt_jax.models import checkpoints
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed = checkpoints.gguf_source(path).reader
+    target = path.resolve()
+
+    def shared_reader(file, *args, **kwargs):
+        if not args and not kwargs and Path(file).resolve() == target:
+            return parsed
+        return reader(file, *args, **kwargs)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def load_questions(gsm8k_dir: str, count: int) -> tuple[list[str], str]:
