@@ -559,6 +559,29 @@ def test_a_gguf_file_is_parsed_once_while_unchanged(tmp_path):
     assert checkpoints.gguf_source(path) is not first
 
 
+def test_the_transformers_reference_shares_only_ggufs_parse_and_puts_it_back(tmp_path):
+    """`load_transformers` hands transformers the reader our loader parsed (only for that file,
+    only with gguf's default arguments) and one tensor-name map per (arch, layers), and restores
+    both `gguf` functions after the load, also when it fails."""
+    import gguf
+
+    from tlt_jax.rollout import bench
+
+    path = write_gguf(tmp_path / "m.gguf", {"blk.0.attn_norm.weight": np.ones(8, np.float32)})
+    other = write_gguf(tmp_path / "o.gguf", {"blk.0.attn_norm.weight": np.ones(8, np.float32)})
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="inside"):
+        with bench._gguf_parsed_once(path):
+            assert gguf.GGUFReader(str(path)) is checkpoints.gguf_source(path).reader
+            assert gguf.GGUFReader(path, "r") is not checkpoints.gguf_source(path).reader
+            assert gguf.GGUFReader(other) is not checkpoints.gguf_source(other).reader
+            arch = gguf.MODEL_ARCH.LLAMA
+            assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+            assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 3)
+            raise RuntimeError("inside")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+
+
 def test_a_llama_gguf_without_kv_head_count_has_as_many_kv_heads_as_heads(tmp_path):
     """llama.cpp writes `llama.attention.head_count_kv` only when the HF config names
     num_key_value_heads; the config then read as many kv heads as heads, but un-permuting k
