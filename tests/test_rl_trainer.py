@@ -548,6 +548,40 @@ def test_packed_and_padded_updates_agree_in_the_trainer(tmp_path):
         np.testing.assert_allclose(a, b, atol=2e-5)
 
 
+def test_two_minibatches_take_their_ratios_against_the_weights_that_sampled(tmp_path):
+    """`rl.num_minibatches=2` (the old log-probs recomputed before the update, the default
+    with several): two optimizer updates in one RL step, each mini-batch's ratio against the
+    log-probs of the weights that sampled. At learning rate 0 the weights never move, so the
+    ratio is exactly 1 in both mini-batches (another micro-batch's old log-probs, or zeros,
+    would not give 1); at the tiny config's rate the first update moves the weights under the
+    second mini-batch: a ratio off 1 and an approximate KL to the old policy above 0."""
+    records, counts = {}, {}
+    for lr in (0.0, 1e-3):
+        config = tiny_config(total_steps=1, **{"rl.num_minibatches": 2,
+                                               "optim.learning_rate": lr})  # fmt: skip
+        assert config.rl.on_policy_update is False
+        trainer = Trainer(config, tmp_path / str(lr), progress=False)
+        before = jax.tree.map(np.asarray, trainer.state.params)
+        records[lr] = trainer.run_step(next(trainer.iterator))
+        counts[lr] = {int(c) for c in jax.tree.leaves(
+            jax.tree.map(np.asarray, trainer.state.opt_state)) if np.ndim(c) == 0
+            and np.issubdtype(np.asarray(c).dtype, np.integer)}  # fmt: skip
+        moved = any(
+            not np.array_equal(a, np.asarray(b))
+            for a, b in zip(
+                jax.tree.leaves(before), jax.tree.leaves(trainer.state.params), strict=True
+            )
+        )
+        trainer.close()
+        assert records[lr]["micro_batches_trained"] >= 2 and moved == (lr > 0)
+    frozen, moving = records[0.0], records[1e-3]
+    assert counts[0.0] == counts[1e-3] == {2}  # the optimizer stepped once per mini-batch
+    assert frozen["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert frozen["clip_fraction"] == 0.0 and frozen["approx_kl_old"] == pytest.approx(0, abs=1e-9)
+    assert abs(moving["ratio_mean"] - 1.0) > 1e-5 and moving["approx_kl_old"] > 1e-9
+    assert 0 < frozen["logprob_diff"] < 1e-4  # the recompute, against the sampler
+
+
 def test_a_trainer_on_a_mesh_lays_its_state_out_as_planned_and_steps_like_one_device(tmp_path):
     """model.mesh_shape (2, 2): the train state is FSDP x TP as `plan_run` says (moments
     following their params), the engine's decode state sharded, and one RL step's responses

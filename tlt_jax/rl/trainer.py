@@ -645,6 +645,7 @@ class Trainer:
         applies the same update (only the order of the float sums differs from one process).
         """
         cfg, g = self.config, self.config.rl.group_size
+        recompute = not cfg.rl.on_policy_update
         group = self.group
         owners = self._owners(micro_plan)
         apply = self._apply_program()
@@ -670,9 +671,13 @@ class Trainer:
                         if from_update:  # the owner's features, summed with these zeros
                             others.append(key)
                         continue
+                    # Zeros only where the program reads none: on-policy (its own log-probs
+                    # are the old ones) and without a KL term. A recomputed micro-batch's
+                    # log-probs missing here is a bug, not a ratio of exp(log-prob).
                     zeros = np.zeros(micro.shape, np.float32)
                     inputs = self._put(step_lib.LossInputs(
-                        old_logprobs.get(key, zeros), ref_logprobs.get(key, zeros),
+                        old_logprobs[key] if recompute else zeros,
+                        ref_logprobs[key] if self.reference_params is not None else zeros,
                         micro.per_token(advantages), micro.per_token(loss_w),
                         micro.per_token(metric_w), micro.token_values(engine_logprobs),
                     ))  # fmt: skip
