@@ -331,6 +331,14 @@ def test_windows_and_buffer_recent_steps():
     assert set(np.unique(batch.tokens_BxT[used])) == {2, 3}  # steps 1 and 2 only
     assert used.sum() == 4 * 8  # 2 prompt-context tokens + 6 response tokens per window
     np.testing.assert_array_equal(batch.loss_mask_BxT[used].reshape(4, 8)[:, :2], False)
+    # Steps that added nothing (every group silent) still move the window on: one step on,
+    # only step 2's samples; two, none (no training on a policy older than 2 steps).
+    buffer.end_step(3)
+    assert {s.step for s in buffer.recent_samples()} == {2}
+    buffer.end_step(4)
+    assert buffer.recent_samples() == [] and buffer.sample_batch(rng, 2, 32) is None
+    buffer.end_step(1)  # an earlier step never moves it back
+    assert buffer.latest_step == 4
 
 
 # ----------------------------------------------------------------------------- training

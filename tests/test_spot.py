@@ -241,11 +241,14 @@ class _SlowReturn(_Steps):
         self.linger = linger
 
     def train_on(self, slice_, stop: threading.Event, on_step) -> int:
-        for ok in self.applied:
+        for ok in self.applied:  # the stop asked before every step, as real trainers do
+            if stop.is_set():
+                return 0
             start = time.perf_counter()
             time.sleep(self.seconds)
             on_step(time.perf_counter() - start, ok)
         time.sleep(self.linger)  # e.g. writing back its state
+        self.stopped_while_returning = stop.requested()
         return sum(self.applied)
 
 
@@ -256,7 +259,7 @@ def test_a_trainer_still_returning_at_the_rollouts_end_was_not_preempted(two_sli
                                           _Straggler(two_slices[1].engine, 0.3))]  # fmt: skip
     trainable = _SlowReturn([True, True], linger=1.0)
     _, report = SpotScheduler(slices, trainable).rollout([_requests(1, 2), _requests(1, 3)])
-    assert report.drafter_steps == 2
+    assert report.drafter_steps == 2 and trainable.stopped_while_returning  # the premise
     assert report.preemption_latency_s is None
     assert report.metrics()["spot_preempted_windows"] == 0
 
@@ -515,6 +518,37 @@ def test_a_drafter_run_that_fails_midway_keeps_the_steps_it_applied():
         online.train_on("not a device", model.embed.get_value(), model.head_weight_DxV(),
                         threading.Event(), max_steps=5)  # fmt: skip
     assert online.failures == 2 and online.steps == 2
+
+
+def test_a_drafter_run_that_reaches_its_step_cap_as_the_stop_comes_was_not_preempted():
+    """The stop set during the capped run's last step: the run ends on its cap, and the stop
+    was never heeded (it asked the stop first, which counted it preempted, with a latency)."""
+    from tlt_jax.parallel.scheduler import _StopSignal
+
+    config = spot.SpotConfig(row_len=64, window=64, warmup_steps=0).train_config()
+    online = OnlineDrafter(TINY, config, seed=0)
+    model = init_model(TINY)
+    online.add(*_samples(np.random.default_rng(0), 4, TINY.hidden_size), step=1)
+    step, stop, calls = online._train_step, _StopSignal(), []
+
+    def stopped_during_the_second(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            stop.set()
+        return step(*args)
+
+    online._train_step = stopped_during_the_second
+    applied = online.train_on(jax.devices()[1], model.embed.get_value(),
+                              model.head_weight_DxV(), stop, max_steps=2)  # fmt: skip
+    assert applied == 2 and stop.requested() and not stop.heeded
+    stop.clear()
+    assert online.train_on(jax.devices()[1], model.embed.get_value(), model.head_weight_DxV(),
+                           _set(_StopSignal()), max_steps=2) == 0  # fmt: skip
+
+
+def _set(event):
+    event.set()
+    return event
 
 
 def test_online_hot_vocabulary_keeps_the_warm_ups_ids_the_counts_cannot_rank():

@@ -266,6 +266,16 @@ class DrafterBuffer:
             self._samples.extend(samples)
             self._latest_step = max((s.step for s in samples), default=None)
 
+    def end_step(self, step: int) -> None:
+        """RL step `step` has added everything it had: the recent window ends at it even when
+        it added nothing (a step whose every group was silent), so `recent_samples` never
+        returns features older than `last_n_steps` RL steps. (A checkpoint holds only the
+        window's samples, so a resumed buffer, whose window ends at its newest sample, returns
+        the same ones until the next step ends.)"""
+        with self._lock:
+            if self._latest_step is None or step > self._latest_step:
+                self._latest_step = int(step)
+
     def recent_samples(self) -> list[Sample]:
         """The samples of the latest `last_n_steps` RL steps."""
         with self._lock:

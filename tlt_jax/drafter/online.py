@@ -117,6 +117,10 @@ class OnlineDrafter:
         np.add.at(self.token_counts, tokens[counted], 1)
         return self.buffer.add(tokens, features, response_mask, step, valid_mask=valid_mask)
 
+    def end_step(self, step: int) -> None:
+        """RL step `step` handed over its features (`DrafterBuffer.end_step`)."""
+        self.buffer.end_step(step)
+
     def ready(self) -> bool:
         """Whether the buffer holds samples of the recent steps."""
         return bool(self.buffer.recent_samples())
@@ -190,7 +194,9 @@ class OnlineDrafter:
                 head = jax.device_put(head_DxV, device)
                 if self.hot_ids is not None:  # the columns the engines draft with
                     head = jnp.take(head, jax.device_put(self.hot_ids, device), axis=1)
-                while not stop.is_set() and (max_steps == 0 or done < max_steps):
+                # The cap first: a trainer that stops on it was not preempted, and asking
+                # the stop marks it heeded (`scheduler._StopSignal`).
+                while (max_steps == 0 or done < max_steps) and not stop.is_set():
                     batch = self.buffer.sample_batch(self._rng, self.config.batch_rows,
                                                      self.config.row_len)  # fmt: skip
                     if batch is None:

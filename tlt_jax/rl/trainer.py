@@ -512,6 +512,8 @@ class Trainer:
                 tokens, feats, response_mask, valid = micro.sink_rows(features[key])
                 for sink in self.sinks:
                     sink.add(tokens, feats, response_mask, step, valid_mask=valid)
+            if self.online is not None:  # its window moves on, also past a step that added none
+                self.online.end_step(step)
         with timer.phase("sync"):
             self.sync_weights()
             # The drafter version trained during this rollout reaches every slice.
