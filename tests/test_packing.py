@@ -303,7 +303,7 @@ def _programs(graphdef, algorithm, options):
     return logprob, grad
 
 
-def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0, options=None):
+def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0, options=None, old_shift=-0.05):
     options = options or step_lib.ForwardOptions()
     logprob_program, grad_program = _programs(graphdef, algorithm, options)
     lengths = np.asarray([len(r) for r in RESPONSES])
@@ -313,19 +313,24 @@ def _accumulate(graphdef, params, micros, algorithm, ref_shift=0.0, options=None
     for micro in micros:
         batch = jax.tree.map(jnp.asarray, micro.batch)
         old = logprob_program(params, batch)[0]
-        inputs = step_lib.LossInputs(old - 0.05, old + ref_shift, micro.per_token(ADVANTAGES),
+        inputs = step_lib.LossInputs(old + old_shift, old + ref_shift, micro.per_token(ADVANTAGES),
                                      micro.per_token(weights), micro.per_token(metric))  # fmt: skip
         accum = grad_program(params, accum, batch, inputs)
     return accum
 
 
 @pytest.mark.parametrize(
-    ("aggregation", "kl_coef"),
-    # Every aggregation, one of them with the KL term and shared-prompt rows (each layout compiles).
-    [("token_mean", 0.0), ("seq_mean_token_mean", 0.1), ("seq_mean_token_sum", 0.0)],
+    ("aggregation", "kl_coef", "old_shift"),
+    # Every aggregation, one of them with the KL term and shared-prompt rows (each layout
+    # compiles). Old log-probs 0.05 under the new (ratio 1.051, past epsilon 0.01): every
+    # token of a positive advantage is clipped and has no gradient, so the gradients compare
+    # only the others; 0.005 under (ratio 1.005): nothing clipped, every token has one.
+    [("token_mean", 0.0, -0.005), ("seq_mean_token_mean", 0.1, -0.05),
+     ("seq_mean_token_sum", 0.0, -0.005)],
 )  # fmt: skip
-def test_packed_loss_and_gradient_equal_padded_and_the_reference_loss(tiny, aggregation,
-                                                                       kl_coef):  # fmt: skip
+def test_packed_loss_and_gradient_equal_padded_and_the_reference_loss(
+    tiny, aggregation, kl_coef, old_shift
+):
     model, graphdef, params = tiny
     algorithm = AlgorithmConfig(loss_aggregation=aggregation, kl_coef=kl_coef, epsilon=0.01)
     padded = packing.padded_micro_batches(
@@ -335,8 +340,8 @@ def test_packed_loss_and_gradient_equal_padded_and_the_reference_loss(tiny, aggr
     layouts = [padded, _micro(12, max_rows=1), _micro(19)]
     if kl_coef:  # rows continuing prompts from other rows (one case: each layout compiles)
         layouts.append(_micro(8, prefix_width=6))
-    results = [_accumulate(graphdef, params, micros, algorithm, ref_shift=0.2)
-               for micros in layouts]  # fmt: skip
+    results = [_accumulate(graphdef, params, micros, algorithm, ref_shift=0.2,
+                           old_shift=old_shift) for micros in layouts]  # fmt: skip
     # The loss `algorithms.policy_loss` gives the whole batch, from per-sequence forwards.
     reference = _reference_logprobs(model)
     t = max(map(len, RESPONSES))
@@ -345,9 +350,10 @@ def test_packed_loss_and_gradient_equal_padded_and_the_reference_loss(tiny, aggr
     for b, row in enumerate(reference):
         lp[b, : len(row)], mask[b, : len(row)] = row, True
     expected, metrics = algorithms.policy_loss(
-        lp, lp - 0.05, ADVANTAGES, mask, epsilon=0.01, epsilon_high=0.01,
+        lp, lp + old_shift, ADVANTAGES, mask, epsilon=0.01, epsilon_high=0.01,
         aggregation=aggregation, ref_logprobs_BxT=lp + 0.2, kl_coef=kl_coef,
     )  # fmt: skip
+    assert (float(metrics["clip_fraction"]) > 0) == (old_shift < -0.01)
     for accum in results:
         assert float(accum["loss"]) == pytest.approx(float(expected), abs=1e-5)
         assert float(accum["weight"]) == pytest.approx(1.0)

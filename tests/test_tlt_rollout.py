@@ -72,7 +72,7 @@ def test_adaptive_greedy_rollout_equals_plain(pair, include_plain):
             np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
     stats = engine.stats
     assert stats.spec_steps > 0 and stats.decode_steps > 0
-    # SD only in the tail: never with more than 4 running, and only after 2 steps there.
+    # SD only in the tail: never with more than 4 running.
     arms = [(row[1], row[2]) for row in stats.timeline]
     assert all(n <= 4 for n, arm in arms if arm != "plain")
     if not include_plain:
