@@ -96,6 +96,11 @@ def test_final_answer_accuracy_needs_a_stated_answer():
         ("$18$", Fraction(18)),
         (r"18 \text{ dollars}", Fraction(18)),
         ("1,2", None),  # malformed thousands grouping
+        ("1 000 000", Fraction(1_000_000)),  # spaces as thousands separators
+        ("- 5", Fraction(-5)),
+        ("12 15", None),  # two numbers (it read 1215)
+        ("4 2", None),
+        ("3.14 15", None),
         ("1/0", None),
         ("x+1", None),
         ("", None),

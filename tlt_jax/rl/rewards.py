@@ -33,6 +33,10 @@ _LAST_NUMBER_RE = re.compile(rf"(?:(?<![\w)]){_SIGN})?{_UNSIGNED}(?:/\d+)?")
 _SLASH_FRACTION_RE = re.compile(rf"^({_NUMBER})/({_NUMBER})$")
 _LATEX_FRACTION_RE = re.compile(r"^([-+]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}$")
 _TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf)\{[^{}]*\}")
+# Runs of digits and spaces (one character class: linear time); where spaces separate digits
+# (`1 000`, `12 15`) only thousands groups are one number.
+_DIGITS_AND_SPACES_RE = re.compile(r"[\d ]+")
+_SPACED_THOUSANDS_RE = re.compile(r"\d{1,3}(?: \d{3})+")
 # What may wrap a stated number: markdown bold, `$` or `\$` (math or money), `\(` `\)`.
 # No two adjacent parts of the next two patterns match the same characters (`\s*\**\s*`
 # did): after "answer is" or "=", a run of blanks then backtracks in linear time, not cubic
@@ -149,12 +153,18 @@ def parse_number(text: str) -> Fraction | None:
     Accepts integers, a leading `+` or `-` (also the unicode minus), decimals, well-formed
     thousands separators (`1,234.5`; `1,2` is rejected as ambiguous), LaTeX `{,}` separators,
     `a/b` and `\\frac{a}{b}` / `\\dfrac` / `\\tfrac`, surrounding `$`, `\\text{...}` units and
-    spaces. A trailing `%` is dropped, NOT divided by 100: gold answers to "what percent"
-    questions are written as the bare number (`25%` parses as 25). A zero denominator gives None.
+    spaces (between digits only as thousands groups: `1 000`, not `12 15`). A trailing `%` is
+    dropped, NOT divided by 100: gold answers to "what percent" questions are written as the
+    bare number (`25%` parses as 25). A zero denominator gives None.
     """
     text = _TEXT_RE.sub("", text)
     text = text.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("{,}", ",")
-    text = text.replace("\u2212", "-").replace("\\!", "").replace("\\,", "").replace(" ", "")
+    text = text.replace("\u2212", "-").replace("\\!", "").replace("\\,", "")
+    for run in _DIGITS_AND_SPACES_RE.findall(text):
+        run = run.strip()
+        if " " in run and not _SPACED_THOUSANDS_RE.fullmatch(run):
+            return None  # `12 15` is two numbers, not 1215 (`1 000` is one)
+    text = text.replace(" ", "")
     text = text.removesuffix("%").rstrip(".")
     if not text:
         return None
