@@ -31,7 +31,11 @@ checkpoints and exports.
 
 Determinism: the request seeds of step k are a function of the run's RNG key (from `seed`,
 checkpointed) and k only, and the data iterator's position is checkpointed, so a run resumed
-from step k's checkpoint repeats the uninterrupted run's steps k + 1, ... exactly (CPU).
+from step k's checkpoint repeats the uninterrupted run's steps k + 1, ... exactly (CPU) with
+plain rollouts or greedy ones. With SD at temperature > 0 it samples from the same
+distributions (SD is lossless) but not the same tokens: which tokens a step samples depends on
+its draft trees, that is on the bandit's arm choices (driven by measured step times) and on
+the n-gram index of earlier responses (not checkpointed).
 """
 
 from __future__ import annotations
