@@ -327,6 +327,16 @@ def test_a_slice_failing_on_another_process_stops_this_one_too(two_slices, peer_
         scheduler.rollout(requests, group=_Peers(True))
 
 
+def test_requests_this_process_refuses_tell_the_peers_its_rollout_failed(two_slices):
+    """A request the engine refuses (before any thread starts) raises here; the peers, which
+    wait for this process's rollout to end (up to 30 minutes), learn that it failed."""
+    group = _Peers(False)
+    too_long = Request((3, 4, 5), 10**6, SamplingParams(0.0), ())
+    with pytest.raises(ValueError):
+        SpotScheduler(two_slices, None).rollout([_requests(1, 2), [too_long]], group=group)
+    assert group.values["done/0/0"] == {"failed": True} and "start/0/0" in group.values
+
+
 class _PeerTimesOut(_Peers):
     """Process 0 of two whose peer never reports its slices done: the wait for it fails (as
     `ProcessGroup.wait_for` does after its timeout); this process holds the trainer role."""

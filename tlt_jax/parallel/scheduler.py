@@ -219,8 +219,14 @@ class SpotScheduler:
         multi = group is not None and group.count > 1
         if len(requests) != len(self.slices):
             raise ValueError(f"{len(requests)} request lists for {len(self.slices)} slices")
-        for s, reqs in zip(self.slices, requests, strict=True):
-            s.engine.validate(reqs)  # before any thread starts
+        try:
+            for s, reqs in zip(self.slices, requests, strict=True):
+                s.engine.validate(reqs)  # before any thread starts
+        except Exception:
+            if multi:  # the peers wait for this process's rollout (30 min): it failed
+                group.set(f"start/{step}", time.time())
+                group.set(f"done/{step}", {"failed": True})
+            raise
         start, start_wall = time.perf_counter(), time.time()
         if len(self.slices) == 1 and not multi:  # nothing to overlap: decode in this thread
             s = self.slices[0]
