@@ -778,9 +778,12 @@ def test_online_drafter_takes_silent_groups_features_only_with_spot_silent_featu
     trainer.close()
     assert record["groups_with_signal"] == 0.5
     trained = record["micro_batches_trained"]
+    # The buffer holds its window's every response (spot.buffer_steps steps of P x G).
+    assert trainer.online.buffer.capacity == 2 * 2 * 4
     if silent_features:
         assert len(forwards) == record["micro_batches_total"] - trained >= 1
         assert len(added) == record["micro_batches_total"]
+        assert len(trainer.online.buffer) == 2 * 4  # every response of the step
     else:
         assert forwards == [] and len(added) == trained >= 1
         assert record["micro_batches_total"] == trained + (layout == "padded")

@@ -167,6 +167,11 @@ class DrafterBuffer:
     def latest_step(self) -> int | None:
         return self._latest_step
 
+    @property
+    def capacity(self) -> int:
+        """Samples held at most (the oldest are dropped beyond it)."""
+        return self._samples.maxlen
+
     def add(
         self,
         tokens,

@@ -296,9 +296,12 @@ def _online_drafter(cfg: TrainConfig, target, drafter, hot):
     from tlt_jax.models.drafter import drafter_from_params
 
     hot_vocab = cfg.spec.hot_vocab if cfg.spec.hot_vocab < target.vocab_size else 0
+    # One sample per response: the window's steps' every response fits (a fixed 2,000 dropped
+    # part of the window from 1,000 responses a step on, without a word).
+    window = cfg.spot.buffer_steps * cfg.rl.prompts_per_step * cfg.rl.group_size
     online = OnlineDrafter(
         target, cfg.spot.train_config(), hot_vocab=hot_vocab, seed=cfg.seed,
-        params=None if drafter is None else drafter.params_dict(),
+        params=None if drafter is None else drafter.params_dict(), max_samples=window,
     )  # fmt: skip
     if hot is not None and hot_vocab and len(hot) == hot_vocab:
         online.hot_ids = np.asarray(hot, np.int32)
