@@ -105,7 +105,10 @@ def small_vocab():
 
 
 ROWS = 2048
-SETTINGS = {"t1": SamplingParams(temperature=1.0), "t07p09": SamplingParams(0.7, top_p=0.9)}
+# The second with both filters (tests/test_speculative.py covers top-p alone): top-k binds
+# where the nucleus holds more than 3 tokens.
+SETTINGS = {"t1": SamplingParams(temperature=1.0),
+            "t07k3p09": SamplingParams(0.7, top_p=0.9, top_k=3)}  # fmt: skip
 
 
 def _sampled_sd_pvalues(model, drafter, source, sampling):
