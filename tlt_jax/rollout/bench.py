@@ -52,7 +52,8 @@ def load_transformers(model_name: str):
     the independent reference of the parity tests and `scripts/bench_rollout.py`.
 
     A GGUF file is loaded by transformers' GGUF path (its own dequantisation), inside
-    `_gguf_parsed_once`: the same result, 36 -> 11 s for SmolLM2 on this project's CPU VM."""
+    `_gguf_parsed_once`: the same weights and config, 30-40 s -> 10 s for SmolLM2 on this
+    project's CPU VM (BENCHMARKS, "Start-up")."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
