@@ -9,6 +9,8 @@ full forward of the finished sequences.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -96,6 +98,32 @@ def test_ngram_drafts_need_no_drafter_and_accept_on_repetitive_text(pair):
     assert accept > 1.5, accept
     with pytest.raises(ValueError, match="needs a drafter"):
         engine.step_policy = FixedPolicy(StepChoice("4,1,5", "hybrid"))
+
+
+def test_greedy_rows_verified_beside_sampled_ones_equal_plain_greedy(pair):
+    """A batch that mixes greedy and sampled requests verifies them in one program (the
+    sampling path, `greedy_only` off): the greedy rows still emit plain greedy decoding's
+    tokens and log-probs, whatever their sampled neighbours drew (and fed the n-gram index)."""
+    model, drafter = pair
+    prompts = [p for p in random_prompts(4, model.config.vocab_size, seed=5) for _ in range(2)]
+    want = _engine(model, drafter).generate(_long_tail_requests(prompts))
+    requests = [r if i % 2 == 0 else dataclasses.replace(r, sampling=SamplingParams(1.0))
+                for i, r in enumerate(_long_tail_requests(prompts))]  # fmt: skip
+    policy = AdaptivePolicy(BanditConfig(
+        threshold=4, warmup_steps=2, bucket_bounds=(1, 2, 3),
+        strategies=(("3,2,6", "5,1,6"), ("3,1,4",), ("2,1,3",)), sources=SOURCES,
+        include_plain=False, seed=0, epsilon=0.3,
+    ))  # fmt: skip
+    engine = _engine(model, drafter, policy=policy, min_kv_bucket=16)
+    got = engine.generate(requests)
+    assert engine.stats.spec_steps > 0
+    mixed = [row for row in engine.stats.timeline if row[2] != "plain" and row[1] > 1]
+    assert mixed, "no SD step verified several rows"
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        if i % 2 == 0:
+            assert g.token_ids == w.token_ids
+            np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-4)
+    assert any(g.token_ids != w.token_ids for w, g in zip(want[1::2], got[1::2], strict=True))
 
 
 @pytest.fixture(scope="module")
