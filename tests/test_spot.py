@@ -551,7 +551,7 @@ def test_a_drafter_run_that_reaches_its_step_cap_as_the_stop_comes_was_not_preem
     applied = online.train_on(jax.devices()[1], model.embed.get_value(),
                               model.head_weight_DxV(), stop, max_steps=2)  # fmt: skip
     assert applied == 2 and stop.requested() and not stop.heeded
-    stop.clear()
+    # A stop already set: no step.
     assert online.train_on(jax.devices()[1], model.embed.get_value(), model.head_weight_DxV(),
                            _set(_StopSignal()), max_steps=2) == 0  # fmt: skip
 
