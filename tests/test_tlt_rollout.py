@@ -53,17 +53,22 @@ def pair():
     return aligned_pair(**ALIGNED)
 
 
+def _tail_policy(include_plain: bool) -> AdaptivePolicy:
+    """SD at <= 4 running after 2 steps there, every source, one to two strategies a bucket."""
+    return AdaptivePolicy(BanditConfig(
+        threshold=4, warmup_steps=2, bucket_bounds=(1, 2, 3),
+        strategies=(("3,2,6", "5,1,6"), ("3,1,4",), ("2,1,3",)), sources=SOURCES,
+        include_plain=include_plain, seed=0, epsilon=0.3,
+    ))  # fmt: skip
+
+
 @pytest.mark.parametrize("include_plain", [False, True], ids=["sd_only", "with_plain"])
 def test_adaptive_greedy_rollout_equals_plain(pair, include_plain):
     model, drafter = pair
     # GRPO-like groups: 4 prompts, 2 samples each (siblings feed the n-gram index).
     prompts = [p for p in random_prompts(4, model.config.vocab_size, seed=5) for _ in range(2)]
     want = _engine(model, drafter).generate(_long_tail_requests(prompts))
-    policy = AdaptivePolicy(BanditConfig(
-        threshold=4, warmup_steps=2, bucket_bounds=(1, 2, 3),
-        strategies=(("3,2,6", "5,1,6"), ("3,1,4",), ("2,1,3",)), sources=SOURCES,
-        include_plain=include_plain, seed=0, epsilon=0.3,
-    ))  # fmt: skip
+    policy = _tail_policy(include_plain)
     # Cache buckets of 16, 32 and 64 positions: the SD programs of one batch bucket and
     # strategy meet several cache lengths as the requests grow.
     engine = _engine(model, drafter, policy=policy, min_kv_bucket=16)
@@ -109,11 +114,7 @@ def test_greedy_rows_verified_beside_sampled_ones_equal_plain_greedy(pair):
     want = _engine(model, drafter).generate(_long_tail_requests(prompts))
     requests = [r if i % 2 == 0 else dataclasses.replace(r, sampling=SamplingParams(1.0))
                 for i, r in enumerate(_long_tail_requests(prompts))]  # fmt: skip
-    policy = AdaptivePolicy(BanditConfig(
-        threshold=4, warmup_steps=2, bucket_bounds=(1, 2, 3),
-        strategies=(("3,2,6", "5,1,6"), ("3,1,4",), ("2,1,3",)), sources=SOURCES,
-        include_plain=False, seed=0, epsilon=0.3,
-    ))  # fmt: skip
+    policy = _tail_policy(include_plain=False)
     engine = _engine(model, drafter, policy=policy, min_kv_bucket=16)
     got = engine.generate(requests)
     assert engine.stats.spec_steps > 0
