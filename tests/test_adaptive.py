@@ -145,6 +145,62 @@ def test_a_dominated_arm_that_gets_faster_is_found_again():
     assert later[-500:].count("ngram:4,1,5") / 500 > 0.85
 
 
+def test_a_drafter_arm_closed_while_the_drafter_was_weak_returns_at_its_next_version():
+    """A cold-start drafter during RL: its arms lose to plain for five RL steps (~150 SD
+    steps each) and close; then a version doubles plain's speed. Told of each new version
+    (`drafter_changed`, at the step boundary), the bandit drops the drafter arms' rewards
+    older than the last version and retries them at once; with the default window (300) and
+    epsilon decay, the old rewards kept the better arm out of the next RL steps. The n-gram
+    arm's rewards do not depend on the drafter and stay."""
+    cfg = _config(warmup_steps=0, window=300, sources=("eagle", "ngram"))
+    weak = {"plain": 30.0, "eagle:4,1,5": 20.0, "eagle:2,2,5": 18.0, "ngram:4,1,5": 25.0,
+            "ngram:2,2,5": 24.0}  # fmt: skip
+    strong = {**weak, "eagle:4,1,5": 60.0, "eagle:2,2,5": 50.0}
+    told, untold = AdaptivePolicy(cfg), AdaptivePolicy(cfg)
+    eagle = {"eagle:4,1,5", "eagle:2,2,5"}
+    told_runs = []
+    for step in range(5):
+        last = {name: _run(policy, weak, 150, rng_seed=step)
+                for name, policy in (("told", told), ("untold", untold))}  # fmt: skip
+        told_runs.append(last["told"])
+        if step:  # a drafter arm that did not run under the last version runs under this one
+            assert eagle <= set(told_runs[-2]) | set(told_runs[-1][:2])
+        others = {k: list(w) for k, w in told._rewards.items() if k[1] not in eagle}
+        told.drafter_changed()
+    # The drafter arms' windows hold the last version's rewards only; the others keep theirs.
+    for arm in eagle:
+        assert 1 <= len(told._rewards[(1, arm)]) == last["told"].count(arm) < 5
+        assert len(untold._rewards[(1, arm)]) > last["untold"].count(arm)
+    assert {k: list(w) for k, w in told._rewards.items() if k[1] not in eagle} == others
+    # The first RL step of the better drafter: the told bandit runs it; the other one's window
+    # of weak rewards keeps it behind plain (it catches up a step or more later).
+    after = {name: _run(policy, strong, 150, rng_seed=10)
+             for name, policy in (("told", told), ("untold", untold))}  # fmt: skip
+    assert after["told"].count("eagle:4,1,5") / 150 > 0.85
+    assert after["untold"].count("eagle:4,1,5") / 150 < 0.1
+
+
+def test_a_new_drafter_version_keeps_only_the_last_versions_rewards_also_after_a_resume():
+    cfg = _config(warmup_steps=0, window=300, sources=("eagle",), epsilon=1.0,
+                  epsilon_decay=False)  # fmt: skip
+    policy = AdaptivePolicy(cfg)
+    speed = {"plain": 30.0, "eagle:4,1,5": 40.0, "eagle:2,2,5": 35.0}
+    _run(policy, speed, 60)
+    policy.drafter_changed()
+    counts = {k: len(w) for k, w in policy._rewards.items()}
+    chosen = _run(policy, speed, 40, rng_seed=3)
+    resumed = AdaptivePolicy(cfg)
+    resumed.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+    for p in (policy, resumed):
+        p.drafter_changed()
+    # Each drafter arm keeps exactly its rewards of the last 40 steps; plain keeps all.
+    for arm in ("eagle:4,1,5", "eagle:2,2,5"):
+        assert len(policy._rewards.get((1, arm), ())) == chosen.count(arm)
+    assert len(policy._rewards[(1, "plain")]) == counts[(1, "plain")] + chosen.count("plain")
+    assert resumed.median_rewards() == policy.median_rewards()
+    assert _run(resumed, speed, 50, rng_seed=4) == _run(policy, speed, 50, rng_seed=4)
+
+
 def test_epsilon_decays_per_bucket_and_survives_checkpoints():
     cfg = _config(warmup_steps=0, window=50)
     slow = {"plain": 30.0, "ngram:4,1,5": 20.0, "ngram:2,2,5": 22.0}

@@ -654,6 +654,10 @@ def test_spot_training_in_the_rl_loop_is_lossless_checkpointed_and_exported(tmp_
     trainer = Trainer(config, tmp_path / "on", progress=False)
     spot_tokens = _recorded(trainer)
     _straggle(trainer, 0.4)
+    told = []  # each slice's bandit hears of every new drafter version (its arms' windows)
+    for i, s in enumerate(trainer.slices):
+        hook = s.engine.step_policy.drafter_changed
+        s.engine.step_policy.drafter_changed = lambda i=i, hook=hook: (told.append(i), hook())
     on = trainer.train()
     # top_k = 1 samples the argmax: whatever the drafter, SD must write the same tokens, also
     # in step 3's rollout, whose engines hold the version the idle slice trained during step
@@ -673,6 +677,7 @@ def test_spot_training_in_the_rl_loop_is_lossless_checkpointed_and_exported(tmp_
     assert on[1]["spot_reclaimed_share"] > 0 and on[1]["spot_preemption_latency_s"] >= 0
     assert on[1]["drafter_steps"] == on[1]["spot_drafter_steps"]
     assert np.isfinite(on[1]["drafter_loss"])
+    assert sorted(told) == sorted(list(range(len(trainer.slices))) * on[2]["drafter_version"])
     params = jax.tree.map(np.asarray, trainer.online.params())
     for s in trainer.slices:  # every slice drafts with the published version
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(s.engine.drafter_params),

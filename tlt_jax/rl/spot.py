@@ -356,10 +356,15 @@ def push_drafter(online: OnlineDrafter, slices: Sequence[RolloutSlice], *,
 
 def publish_drafter(online: OnlineDrafter, slices: Sequence[RolloutSlice]) -> dict[str, Any]:
     """Ends the drafter's window: the hot vocabulary, and the params when there is a new
-    version, reach every slice."""
+    version, reach every slice; each slice's step policy is told of a new version (its drafter
+    arms' rewards then span the last two versions: `AdaptivePolicy.drafter_changed`)."""
     version = online.version
     metrics = online.publish()
-    push_drafter(online, slices, params=online.version != version)
+    changed = online.version != version
+    push_drafter(online, slices, params=changed)
+    if changed:
+        for s in slices:
+            s.engine.step_policy.drafter_changed()
     return metrics
 
 

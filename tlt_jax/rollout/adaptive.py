@@ -31,7 +31,10 @@ Policies:
   epsilon / sqrt(1 + n / window) after n SD-mode steps there: TLT's fixed 0.1 explores a
   losing arm on ~7% of steps forever, which alone costs 3-4% where SD runs at half plain
   speed (measured with `bench_spec --adaptive` on this CPU), while the windows keep tracking a
-  drafter that improves during RL.
+  drafter that improves during RL. When a new drafter version reaches the engine (the RL
+  loop's step boundary), `drafter_changed` cuts each drafter arm's window to the last
+  version's rewards, so an arm closed while a cold-start drafter was weak is retried within a
+  version of the drafter passing the leader (`scripts/bench_bandit.py`).
   Deterministic given its seed; `state_dict` / `load_state_dict` checkpoint it.
 """
 
@@ -114,6 +117,10 @@ class StepPolicy(Protocol):
         """The step that ran `choice` emitted `emitted_tokens` in `seconds` (host time)."""
         ...
 
+    def drafter_changed(self) -> None:
+        """A new drafter version reaches the engine (at a step boundary)."""
+        ...
+
     def choice_counts(self) -> dict[str, int]:
         """This rollout's steps per 'batch bucket/arm' (metrics)."""
         ...
@@ -141,6 +148,9 @@ class PlainPolicy:
         return None
 
     def record(self, choice, num_running, emitted_tokens, seconds) -> None:
+        pass
+
+    def drafter_changed(self) -> None:
         pass
 
     def choice_counts(self) -> dict[str, int]:
@@ -291,6 +301,9 @@ class AdaptivePolicy:
         self._rewards: dict[tuple[int, str], deque] = {}
         self._steps: dict[int, int] = {}  # SD-mode steps per engine bucket, over all rollouts
         self._tried: dict[tuple[int, str], int] = {}  # the bucket step an arm last ran at
+        # Rewards each drafter arm recorded under the current drafter version (`drafter_changed`).
+        self._fresh: dict[tuple[int, str], int] = {}
+        self._drafter_arms = frozenset(arm_name(c) for c in self.choices() if c.needs_drafter)
         self.sd_on = False
         self._under = 0
         self._draws: tuple[float, float] | None = None  # (explore?, which arm), drawn ahead
@@ -392,6 +405,27 @@ class AdaptivePolicy:
         # batch sizes (8 holds 5..8) that fall through the tail; in tokens per second an arm
         # that ran at 8 outranked a faster one that ran at 5.
         window.append(emitted_tokens / num_running / seconds)
+        if key[1] in self._drafter_arms:
+            self._fresh[key] = min(self._fresh.get(key, 0) + 1, self.config.window)
+
+    def drafter_changed(self) -> None:
+        """A new drafter version: each drafter arm's window keeps only the rewards of the
+        version that just ended, so it spans the last two versions at most, and an arm that did
+        not run under that version is untried again (picked at its bucket's next SD step).
+
+        Without this a window of `window` rewards spans many versions of a drafter that trains
+        during RL, and a drafter arm closed while the drafter was weak (a cold start) stays
+        behind the leader's median long after it passes it: its one retry per `window` steps
+        adds one reward to a window of old ones.
+        """
+        for key in [k for k in self._rewards if k[1] in self._drafter_arms]:
+            window, keep = self._rewards[key], self._fresh.get(key, 0)
+            while len(window) > keep:
+                window.popleft()
+            if not window:
+                del self._rewards[key]
+                self._tried.pop(key, None)
+        self._fresh = {}
 
     def choice_counts(self) -> dict[str, int]:
         return {f"{b}/{a}": n for (b, a), n in sorted(self.counts.items())}
@@ -405,11 +439,13 @@ class AdaptivePolicy:
     # -- checkpointing -------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: reward windows and the random stream."""
+        """JSON-serialisable state: reward windows, step counts, the drafter arms' rewards of
+        the current version and the random stream."""
         return {
             "rewards": [[b, a, list(w)] for (b, a), w in sorted(self._rewards.items())],
             "steps": [[b, n] for b, n in sorted(self._steps.items())],
             "tried": [[b, a, n] for (b, a), n in sorted(self._tried.items())],
+            "fresh": [[b, a, n] for (b, a), n in sorted(self._fresh.items())],
             "rng": self._rng.bit_generator.state,
             "draws": None if self._draws is None else list(self._draws),
         }
@@ -423,6 +459,7 @@ class AdaptivePolicy:
         }
         self._steps = {int(b): int(n) for b, n in state.get("steps", [])}
         self._tried = {(int(b), str(a)): int(n) for b, a, n in state.get("tried", [])}
+        self._fresh = {(int(b), str(a)): int(n) for b, a, n in state.get("fresh", [])}
         self._rng.bit_generator.state = state["rng"]
         draws = state.get("draws")
         self._draws = None if draws is None else (float(draws[0]), float(draws[1]))

@@ -1,0 +1,88 @@
+"""The bandit against simulated arms: how fast it follows a drafter that trains during RL.
+
+`AdaptivePolicy` picks arms by measured step times, so its behaviour over many RL steps of a
+drafter that changes (a cold start learning online) cannot be timed on a real run without
+also timing everything else. Here each arm has a known speed (tokens per running request per
+second) per RL step, the recorded rewards carry multiplicative timing noise, and the figure
+is the mean true speed of the arms chosen over the best arm's: 1.0 is an oracle that knows
+the speeds. Both sides see the same speeds and noise draws; one is told of each new drafter
+version at the RL step boundary (`drafter_changed`, as `spot.publish_drafter` does), the
+other is not (the bandit before that hook).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from tlt_jax.rollout.adaptive import AdaptivePolicy, BanditConfig, arm_name
+
+# One BEG bucket at batch 1 with one strategy per source: plain, the drafter's EAGLE tree,
+# and model-free n-gram drafts (which do not depend on the drafter).
+ARMS_CONFIG = dict(threshold=1, warmup_steps=0, bucket_bounds=(1,), strategies=(("8,4,8",),),
+                   sources=("eagle", "ngram"))  # fmt: skip
+PLAIN_SPEED, NGRAM_SPEED = 30.0, 25.0
+
+
+def scenario(name: str, rl_steps: int) -> Callable[[int], dict[str, float]]:
+    """RL step -> arm speeds. "improving": the EAGLE arm from 0.5x plain's speed to 2x over
+    the first three quarters of the steps (a cold start that passes plain and n-gram drafts
+    on the way); "weak" / "strong": 0.5x / 2x plain throughout."""
+    eagle, ngram = "eagle:8,4,8", "ngram:8,4,8"
+
+    def speeds(step: int) -> dict[str, float]:
+        if name == "improving":
+            x = min(step / max(1, round(0.75 * rl_steps)), 1.0)
+            e = (0.5 + 1.5 * x) * PLAIN_SPEED
+        elif name == "weak":
+            e = 0.5 * PLAIN_SPEED
+        elif name == "strong":
+            e = 2.0 * PLAIN_SPEED
+        else:
+            raise ValueError(f"scenario {name!r} is not one of ['improving', 'weak', 'strong']")
+        return {"plain": PLAIN_SPEED, ngram: NGRAM_SPEED, eagle: e}
+
+    return speeds
+
+
+def simulate(speeds: Callable[[int], dict[str, float]], *, told: bool, rl_steps: int,
+             sd_steps: int, noise: float, seed: int) -> float:  # fmt: skip
+    """Mean true speed of the chosen arms over the best arm's, over `rl_steps` RL steps of
+    `sd_steps` SD-mode decode steps each."""
+    policy = AdaptivePolicy(BanditConfig(**ARMS_CONFIG, seed=seed))
+    rng = np.random.default_rng(seed + 1)
+    got = best = 0.0
+    for step in range(rl_steps):
+        speed = speeds(step)
+        policy.begin()
+        for _ in range(sd_steps):
+            choice = policy.choose(1)
+            true = speed[arm_name(choice)]
+            measured = true * max(0.05, 1.0 + noise * rng.standard_normal())
+            policy.record(choice, 1, 1, 1.0 / measured)
+            got += true
+            best += max(speed.values())
+        if told:
+            policy.drafter_changed()
+    return got / best
+
+
+def run(*, scenarios: tuple[str, ...], seeds: int, rl_steps: int, sd_steps: int,
+        noise: float) -> dict:  # fmt: skip
+    """Per scenario, told and untold: the speed fraction's mean, min and max over seeds."""
+    out: dict = {"arms": dict(ARMS_CONFIG), "plain_speed": PLAIN_SPEED,
+                 "ngram_speed": NGRAM_SPEED, "seeds": seeds, "rl_steps": rl_steps,
+                 "sd_steps_per_rl_step": sd_steps, "timing_noise": noise,
+                 "scenarios": {}}  # fmt: skip
+    for name in scenarios:
+        speeds = scenario(name, rl_steps)
+        row = {}
+        for side, told in (("told", True), ("untold", False)):
+            fractions = [simulate(speeds, told=told, rl_steps=rl_steps, sd_steps=sd_steps,
+                                  noise=noise, seed=s) for s in range(seeds)]  # fmt: skip
+            row[side] = {"mean": float(np.mean(fractions)), "min": float(min(fractions)),
+                         "max": float(max(fractions))}  # fmt: skip
+        row["told_over_untold"] = row["told"]["mean"] / row["untold"]["mean"]
+        out["scenarios"][name] = row
+    return out
