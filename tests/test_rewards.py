@@ -129,6 +129,12 @@ def test_parse_number(text, expected):
         ("x+1", "x+2", False),
         ("12", "twelve", False),
         (None, "0", False),
+        # A numeric gold answer takes a number: spaced digits are two numbers (`parse_number`),
+        # not 1215 once whitespace is removed (the text comparison's normalisation).
+        ("12 15", "1215", False),
+        ("4 2", "42", False),
+        ("1 000", "1000", True),
+        ("twelve", "12", False),
     ],
 )
 def test_answers_equal(prediction, gold, expected):
@@ -163,6 +169,40 @@ def test_markdown_headings_are_not_final_answers():
     # GSM8K's own marker still wins, mid-text with a number or as the last line.
     assert rewards.extract_answer("#### Work\nx = 3\n#### 72\nbecause 8 * 9") == "72"
     assert rewards.extract_answer("#### Work\n3 apples\n#### twelve") == "twelve"
+
+
+def test_spaced_digits_and_trailing_headings_score_as_written():
+    """`#### 12 15` scored 1.0 against 1215 through the text comparison; a trailing markdown
+    heading replaced an earlier `####` answer (a right 10 scored 0) and gave a response cut
+    off after a heading a format reward of 1."""
+    assert rewards.math_accuracy("#### 12 15", "1215") == 0.0
+    assert rewards.math_accuracy(r"\boxed{4 2}", "42") == 0.0
+    assert rewards.final_answer_accuracy("#### 1 2 3", "123") == 0.0
+    assert rewards.math_accuracy("#### 1 000", "1000") == 1.0
+    text = "#### 10\n#### 2. Check"
+    assert rewards.extract_answer(text) == "10" and rewards.math_accuracy(text, "10") == 1.0
+    assert rewards.format_reward(text) == 1.0
+    assert rewards.format_reward("5 + 3 = 8\n#### Step 3") == 0.0  # cut off after a heading
+    assert rewards.format_reward(r"\boxed{8}" + "\n#### Step 3") == 1.0
+    assert rewards.format_reward("work\n#### Part 2:") == 0.0
+    assert rewards.extract_answer("work\n#### twelve") == "twelve"  # a text answer stays
+
+
+@pytest.mark.parametrize(
+    "text, gold",
+    [
+        ("The answer is -$5.", "-5"),
+        (r"So the answer is -\$12.50", "-12.5"),
+        ("Total = -$7.", "-7"),
+        ("so he ends with -$3", "-3"),
+    ],
+)
+def test_a_sign_before_a_dollar_is_kept(text, gold):
+    # "-$5" read as 5: a wrong answer scored right against gold 5, a right one wrong.
+    stated = "answer" in text.lower() or "=" in text  # the last one is only a last number
+    assert rewards.final_answer_accuracy(text, gold) == float(stated)
+    assert rewards.math_accuracy(text, gold) == 1.0
+    assert rewards.math_accuracy(text, gold.lstrip("-")) == 0.0
 
 
 def test_score_batch_by_name_with_format_weight():

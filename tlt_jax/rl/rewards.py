@@ -21,6 +21,9 @@ RewardFunction = Callable[[str, str], float]
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _HASHES = "####"
+# A `####` line's text that reads as a markdown heading, not an answer: "Step 3", "Part 2: ...",
+# "2. Check", or anything ending in ":".
+_HEADING_RE = re.compile(r"(?:(?:step|part|section)\b|\d+[.)]\s+[^\d\s]|.*:\s*$)", re.IGNORECASE)
 # A plain number: optional sign, digits with optional well-formed thousands groups, optional
 # decimal part; or a bare decimal like ".5". Linear-time (no nested quantifiers).
 _UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
@@ -28,8 +31,11 @@ _UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 _SIGN = "[-+\u2212]"
 _NUMBER = rf"{_SIGN}?{_UNSIGNED}"
 _NUMBER_RE = re.compile(rf"^{_NUMBER}$")
+# A sign, and in running text a `$` after it (`-$5`, `-\$5`; `_clean` drops the `$`). Only after
+# a sign: a `$` alone is `_OPEN`'s, so no two parts of a pattern match the same `$`.
+_SIGN_MONEY = rf"{_SIGN}(?:\\?\$)?"
 # In running text a `-` right after a word or digit is a hyphen or range ("pages 3-5"), not a sign.
-_LAST_NUMBER_RE = re.compile(rf"(?:(?<![\w)]){_SIGN})?{_UNSIGNED}(?:/\d+)?")
+_LAST_NUMBER_RE = re.compile(rf"(?:(?<![\w)]){_SIGN_MONEY})?{_UNSIGNED}(?:/\d+)?")
 _SLASH_FRACTION_RE = re.compile(rf"^({_NUMBER})/({_NUMBER})$")
 _LATEX_FRACTION_RE = re.compile(r"^([-+]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}$")
 _TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf)\{[^{}]*\}")
@@ -46,10 +52,13 @@ _OPEN = r"(?:\s|\*|\\?\$|\\\()*"
 _CLOSE = r"(?:\*|\$|\\\))*"
 # Stated final answers: "the answer is 17", "Answer: 17", "answer = 17" anywhere ...
 _ANSWER_IS_RE = re.compile(
-    rf"\banswer\s*(?:is(?:\s*:)?|:|=){_OPEN}({_NUMBER}(?:/\d+)?)(?![\d/])", re.IGNORECASE
+    rf"\banswer\s*(?:is(?:\s*:)?|:|=){_OPEN}((?:{_SIGN_MONEY})?{_UNSIGNED}(?:/\d+)?)(?![\d/])",
+    re.IGNORECASE,
 )
 # ... or a last line that ends in "= 17" or "is 17" (an optional "." after it).
-_LAST_LINE_RE = re.compile(rf"(?:=|\bis){_OPEN}({_NUMBER}){_CLOSE}(?:\s*\.)?\s*$")
+_LAST_LINE_RE = re.compile(
+    rf"(?:=|\bis){_OPEN}((?:{_SIGN_MONEY})?{_UNSIGNED}){_CLOSE}(?:\s*\.)?\s*$"
+)
 
 
 def _boxed_contents(text: str) -> list[str]:
@@ -72,8 +81,10 @@ def _hash_answers(text: str) -> list[str]:
     """The rest of the line after each GSM8K-style `####` marker, stripped.
 
     A marker is a `####` followed by a number, or the text's last non-empty line starting
-    with `####` (a non-numeric final answer). Other `####` lines are markdown headings
-    ("#### Step 2: Answer"), which models write often: no answer, so the later rules apply.
+    with `####` (a non-numeric final answer) when no numeric marker comes before it and it
+    does not read as a heading (`_HEADING_RE`). Other `####` lines are markdown headings
+    ("#### Step 2: Answer"), which models write often, also as the last line of a response
+    cut off at its length limit: no answer, so the later rules apply.
     """
     lines = [line for line in text.splitlines() if line.strip()]
     answers = []
@@ -81,8 +92,10 @@ def _hash_answers(text: str) -> list[str]:
         if _HASHES not in line:
             continue
         answer = line.rsplit(_HASHES, 1)[1].strip()
-        last = i == len(lines) - 1 and line.lstrip().startswith(_HASHES)
-        if last or parse_number(_clean(answer)) is not None:
+        if parse_number(_clean(answer)) is not None:
+            answers.append(answer)
+        elif (i == len(lines) - 1 and line.lstrip().startswith(_HASHES) and not answers
+              and not _HEADING_RE.match(answer)):  # fmt: skip
             answers.append(answer)
     return answers
 
@@ -195,14 +208,17 @@ def _normalize_text(text: str) -> str:
 def answers_equal(prediction: str | None, gold: str) -> bool:
     """Whether a predicted answer matches the gold one.
 
-    Exact rational equality when both parse as numbers (`0.5 == 1/2`, `1,000 == 1000`,
-    `2.50 == 2.5`); otherwise equality after lower-casing, removing whitespace and `$`, a
-    trailing `.`, and spelling `\\dfrac`/`\\tfrac` as `\\frac`. None never matches.
+    Exact rational equality when the gold answer parses as a number (`0.5 == 1/2`, `1,000 ==
+    1000`, `2.50 == 2.5`; a prediction that does not parse is wrong); otherwise equality
+    after lower-casing, removing whitespace and `$`, a trailing `.`, and spelling
+    `\\dfrac`/`\\tfrac` as `\\frac`. None never matches.
     """
     if prediction is None:
         return False
     predicted_number, gold_number = parse_number(prediction), parse_number(gold)
-    if predicted_number is not None and gold_number is not None:
+    if gold_number is not None:
+        # A numeric gold answer takes a number: text equality would count `12 15`, which
+        # `parse_number` refuses (two numbers), as 1215 again once whitespace is removed.
         return predicted_number == gold_number
     return _normalize_text(prediction) == _normalize_text(gold)
 
