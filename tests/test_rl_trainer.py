@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -987,6 +988,69 @@ def test_a_train_prompt_longer_than_the_limit_is_refused_before_the_model_loads(
                            r"\d+\); raise --config\.rollout\.max_prompt_len"):  # fmt: skip
             Trainer(config, tmp_path, progress=False)
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_an_evaluated_prompt_longer_than_the_limit_is_refused_before_the_model_loads(
+        tmp_path, monkeypatch):  # fmt: skip
+    """Only the train split was checked at start-up: a long test question failed the run's
+    last evaluation, after every training step (and `evaluate_run` after its model load)."""
+    from tlt_jax.data import pipeline
+    from tlt_jax.rl import run, trainer
+
+    def with_a_long_test_question(data, split):
+        examples = pipeline.load_data(data, split)
+        if split == data.eval_split:
+            examples = [{**examples[0], "question": "1 + 1 " * 40}, *examples[1:]]
+        return examples
+
+    for module in (trainer, run):
+        monkeypatch.setattr(module, "load_data", with_a_long_test_question)
+    config = tiny_config(**{"rollout.max_prompt_len": 48, "eval.num_problems": 4})
+    want = (r"1 of the 4 prompts of the test split( \(evaluated\))? have more than "
+            r"rollout\.max_prompt_len=48 tokens")  # fmt: skip
+    with _no_model_load("the evaluated prompts' lengths were checked"):
+        with pytest.raises(ValueError, match=want):
+            Trainer(config, tmp_path, progress=False)
+        with pytest.raises(ValueError, match=want):
+            run.evaluate_run(config, None)
+    Trainer(tiny_config(**{"rollout.max_prompt_len": 48, "eval.num_problems": 0}), tmp_path,
+            progress=False).close()  # no evaluation: its split is not read  # fmt: skip
+
+
+def test_evaluation_counts_answers_it_could_not_score_and_uses_the_runs_time_limit(caplog):
+    """Evaluation scored with `score_batch`'s default 5 s limit, not `rl.reward_timeout_s`,
+    and kept no count of failed scores: a timed-out answer was a silent wrong one."""
+    from tlt_jax.rl import evaluation
+
+    class Engine:
+        def generate(self, requests, progress=None):
+            return [type("C", (), {"token_ids": [ord(c) for c in text]})()
+                    for text in ("7", "slow", "boom")]  # fmt: skip
+
+    def reward(completion, answer):
+        if completion == "slow":
+            time.sleep(0.5)
+        if completion == "boom":
+            raise RuntimeError("no")
+        return float(completion == answer)
+
+    examples = [{"question": q, "answer": "7"} for q in "abc"]
+    kwargs = dict(max_new_tokens=4, stop_ids=(), reward_fn=reward, progress=False)
+    decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    with caplog.at_level(logging.WARNING):
+        result = evaluation.evaluate(Engine(), lambda q: (1,), decode, examples,
+                                     reward_timeout_s=0.1, **kwargs)  # fmt: skip
+    assert result.correct == (True, False, False)
+    assert (result.num_errors, result.num_timeouts) == (1, 1)
+    assert "(1 scoring errors, 1 scoring timeouts, scored wrong)" in result.summary()
+    assert "2 of 3 answers could not be scored" in caplog.text
+    assert evaluation.EvalResult.from_dict(result.to_dict()) == result
+    old = {k: v for k, v in result.to_dict().items() if not k.startswith("num_e")
+           and k != "num_timeouts"}  # a result saved before the counts  # fmt: skip
+    assert evaluation.EvalResult.from_dict(old).num_timeouts == 0
+    slow_ok = evaluation.evaluate(Engine(), lambda q: (1,), decode, examples,
+                                  reward_timeout_s=2.0, **kwargs)  # fmt: skip
+    assert slow_ok.num_timeouts == 0 and slow_ok.num_errors == 1
 
 
 def test_evaluate_run_refuses_a_checkpoint_of_another_model(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -13,6 +14,8 @@ import numpy as np
 from tlt_jax.rl.rewards import score_batch
 from tlt_jax.rollout.engine import Request
 from tlt_jax.rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +31,8 @@ class EvalResult:
       lengths: per problem response lengths.
       seconds: wall time of generation and scoring.
       responses: per problem response text.
+      num_errors / num_timeouts: problems whose scoring raised / ran past the time limit (each
+        scored wrong, and named in `summary`).
     """
 
     accuracy: float
@@ -38,6 +43,8 @@ class EvalResult:
     lengths: tuple[int, ...]
     seconds: float
     responses: tuple[str, ...] = ()
+    num_errors: int = 0
+    num_timeouts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -52,6 +59,12 @@ class EvalResult:
         return cls(**{**d, **tuples})
 
     def summary(self) -> str:
+        counts = ((self.num_errors, "errors"), (self.num_timeouts, "timeouts"))
+        failed = [f"{count} scoring {what}" for count, what in counts if count]
+        suffix = f" ({', '.join(failed)}, scored wrong)" if failed else ""
+        return self._accuracy_summary() + suffix
+
+    def _accuracy_summary(self) -> str:
         n, acc = self.num_problems, self.accuracy
         if n and acc in (0.0, 1.0):
             # The binomial error is 0 here, which says nothing: give the 95% Wilson bound.
@@ -107,6 +120,7 @@ def evaluate(
     max_new_tokens: int,
     stop_ids: tuple[int, ...],
     reward_fn: str | Callable[[str, str], float] = "math_accuracy",
+    reward_timeout_s: float = 5.0,
     progress: bool | None = None,
 ) -> EvalResult:
     """Greedy answers of the engine's current weights to `examples`, scored by `reward_fn`.
@@ -119,6 +133,7 @@ def evaluate(
       max_new_tokens: response length limit.
       stop_ids: tokens that end a response.
       reward_fn: a key of `REWARD_FUNCTIONS` or a function; correct when it is > 0.
+      reward_timeout_s: per-completion scoring time limit (a run's `rl.reward_timeout_s`).
       progress: show the engine's progress bar.
     """
     start = time.perf_counter()
@@ -126,7 +141,13 @@ def evaluate(
                 for ex in examples]  # fmt: skip
     completions = engine.generate(requests, progress=progress) if requests else []
     texts = [decode(c.token_ids) for c in completions]
-    scored = score_batch(reward_fn, texts, [str(ex["answer"]) for ex in examples])
+    scored = score_batch(reward_fn, texts, [str(ex["answer"]) for ex in examples],
+                         timeout_s=reward_timeout_s)  # fmt: skip
+    if scored.num_errors or scored.num_timeouts:
+        log.warning("evaluation: %d of %d answers could not be scored (%d errors, %d past "
+                    "the %.1f s limit); they count as wrong", scored.num_errors
+                    + scored.num_timeouts, len(texts), scored.num_errors, scored.num_timeouts,
+                    reward_timeout_s)  # fmt: skip
     correct = tuple(bool(c) for c in scored.correct)
     lengths = tuple(len(c.token_ids) for c in completions)
     n = len(examples)
@@ -140,4 +161,6 @@ def evaluate(
         lengths=lengths,
         seconds=time.perf_counter() - start,
         responses=tuple(texts),
+        num_errors=int(scored.num_errors),
+        num_timeouts=int(scored.num_timeouts),
     )

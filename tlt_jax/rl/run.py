@@ -314,9 +314,12 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
                                 tokenizer=policy.tokenizer_fingerprint(cfg.model),
                                 evaluating=True)  # fmt: skip
         examples = load_data(cfg.data, cfg.data.eval_split)
+        tokenizer = policy.build_tokenizer(cfg.model)
+        encode = policy.build_encoder(cfg, tokenizer)
+        # Every scored prompt is checked before the model loads.
+        encode.encode_all([ex["question"] for ex in examples[:n]], f"{cfg.data.eval_split} split")
         mesh = policy.build_mesh(cfg.model)
         model = policy.build_policy(cfg.model, mesh)
-        tokenizer = policy.build_tokenizer(cfg.model)
         engine = policy.build_engine(cfg, model)
         step = 0
         if workdir is not None and (checkpointer is None or checkpointer.latest_step() is None):
@@ -339,10 +342,11 @@ def evaluate_run(config: Any, workdir: str | Path | None, *, num_problems: int |
         log.warning("num_problems=%d but the %s split holds %d problems: scoring all %d", n,
                     cfg.data.eval_split, len(examples), len(examples))  # fmt: skip
     result = evaluation.evaluate(
-        engine, policy.build_encoder(cfg, tokenizer),
+        engine, encode,
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True), examples[:n],
         max_new_tokens=cfg.eval.max_new_tokens, stop_ids=stop_token_ids(tokenizer),
-        reward_fn=resolve_reward_fn(cfg.rl.reward_fn), progress=progress,
+        reward_fn=resolve_reward_fn(cfg.rl.reward_fn), reward_timeout_s=cfg.rl.reward_timeout_s,
+        progress=progress,
     )  # fmt: skip
     print(f"{cfg.data.name} {cfg.data.eval_split} at step {step}: accuracy {result.summary()}",
           flush=True)  # fmt: skip

@@ -168,13 +168,20 @@ class Trainer:
             questions = [ex["question"] for ex in self._train_examples]
             self._prompt_ids = dict(zip(questions, self.encode.encode_all(questions, "train "
                                         "split"), strict=True))  # fmt: skip
+            # The evaluated prompts too: a long one failed the run's last evaluation, after
+            # every training step.
+            self._eval_examples: list[dict] | None = None
+            if cfg.eval.num_problems > 0:
+                self._eval_examples = load_data(cfg.data, cfg.data.eval_split)
+                self.encode.encode_all([ex["question"] for ex in
+                                        self._eval_examples[:cfg.eval.num_problems]],
+                                       f"{cfg.data.eval_split} split (evaluated)")  # fmt: skip
         except BaseException:
             self.checkpointer.close()  # its background threads would outlive the error
             raise
         self.iterator = PromptIterator(
             self._train_examples, cfg.rl.prompts_per_step, seed=cfg.data.seed
         )
-        self._eval_examples: list[dict] | None = None
         devices = rollout_slices.slice_devices(cfg, self.group)  # before any model loads
 
         self.mesh = policy.build_mesh(cfg.model)
@@ -837,7 +844,8 @@ class Trainer:
             self.engine, self.encode,
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             self._eval_examples[:n], max_new_tokens=cfg.eval.max_new_tokens,
-            stop_ids=self.stop_ids, reward_fn=self.reward_fn, progress=self.progress,
+            stop_ids=self.stop_ids, reward_fn=self.reward_fn,
+            reward_timeout_s=cfg.rl.reward_timeout_s, progress=self.progress,
         )  # fmt: skip
 
     def close(self) -> None:
