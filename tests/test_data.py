@@ -246,6 +246,22 @@ def test_gsm8k_malformed_line_names_file_and_line(tmp_path):
         pipeline.load_split("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=raw)
 
 
+def test_a_gsm8k_line_that_is_not_utf8_names_file_and_line(tmp_path):
+    """The file was read in the locale's encoding, and a bad byte raised a bare
+    UnicodeDecodeError naming neither file nor line; a UTF-8 question in any locale reads."""
+    raw = tmp_path / "raw"
+    _write_jsonl(raw, "test.jsonl", [{"question": "q", "answer": "#### 1"}])
+    (raw / "train.jsonl").write_bytes(
+        '{"question": "caf\u00e9 \u2212 1?", "answer": "#### 2"}\n'.encode()
+        + b'{"question": "\xff", "answer": "#### 1"}\n'
+    )
+    with pytest.raises(ValueError, match=r"train\.jsonl:2: 'utf-8' codec can't decode"):
+        pipeline.load_split("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=raw)
+    (raw / "train.jsonl").write_bytes('{"question": "caf\u00e9?", "answer": "#### 2"}\n'.encode())
+    examples = pipeline.load_split("gsm8k", "train", data_dir=tmp_path / "tfds2", manual_dir=raw)
+    assert [ex["question"] for ex in examples] == ["caf\u00e9?"]
+
+
 def test_an_empty_gsm8k_split_file_is_named(tmp_path):
     """An empty test.jsonl failed loading the train split with TFDS's 'No examples were
     yielded' for the test split, naming neither the file nor the flag."""

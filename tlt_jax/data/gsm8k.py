@@ -112,15 +112,16 @@ def read_jsonl(path: epath.Path) -> Iterator[tuple[int, dict]]:
 
     Returns:
       An iterator of `(line_index, {"question", "answer", "solution"})`, blank lines skipped.
-      A malformed line raises `ValueError` naming the file and line number, and so does a
-      file without examples.
+      A malformed line (also one that is not UTF-8) raises `ValueError` naming the file and
+      line number, and so does a file without examples.
     """
     examples = 0
-    with path.open() as file:
-        for line_index, line in enumerate(file):
-            if not line.strip():
+    with path.open("rb") as file:  # UTF-8 whatever the locale; a bad byte names its line
+        for line_index, raw in enumerate(file):
+            if not raw.strip():
                 continue
             try:
+                line = raw.decode("utf-8")
                 record = json.loads(line)
                 if not isinstance(record, dict) or not all(
                     isinstance(record.get(key), str) for key in ("question", "answer")
