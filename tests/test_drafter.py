@@ -31,6 +31,7 @@ from tlt_jax.models.drafter import (
     drafter_config,
     drafter_forward,
     drafter_from_params,
+    init_drafter,
 )
 from tlt_jax.models.presets import get_preset
 from tlt_jax.models.transformer import Transformer, init_model, segment_causal_mask, write_kv
@@ -457,7 +458,8 @@ def test_a_drafter_of_another_model_is_refused_by_name_on_every_load_path(tmp_pa
     values, before an engine is built."""
     from tlt_jax.data.tokenizer import ByteTokenizer
     from tlt_jax.models import checkpoints
-    from tlt_jax.rl.config import SpecConfig
+    from tlt_jax.rl import policy
+    from tlt_jax.rl.config import ModelSettings, SpecConfig
     from tlt_jax.rl.policy import load_drafter
     from tlt_jax.rollout import generate
 
@@ -478,14 +480,42 @@ def test_a_drafter_of_another_model_is_refused_by_name_on_every_load_path(tmp_pa
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was built before the drafter was checked")
 
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the drafter was checked")
+
     monkeypatch.setattr(checkpoints, "load_tokenizer", lambda name: ByteTokenizer())
-    monkeypatch.setattr(checkpoints, "load_model", lambda *a, **k: init_model(other, seed=0))
+    monkeypatch.setattr(checkpoints, "load_config", lambda *a, **k: other)
+    monkeypatch.setattr(checkpoints, "load_model", no_model)
     monkeypatch.setattr(generate, "RolloutEngine", no_engine)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello"}\n')
     config = generate.GenerateConfig(model="tiny", prompts=str(prompts), drafter=str(out))
     with pytest.raises(ValueError, match=message):
         generate.run(config)
+    # The RL run checks it with its spec files, before its policy loads.
+    monkeypatch.setattr(policy, "model_config", lambda settings: other)
+    with pytest.raises(ValueError, match=message):
+        policy.check_spec_files(SpecConfig(drafter=str(out)), ModelSettings(preset="tiny"))
+
+
+def test_spot_training_refuses_a_warm_drafter_whose_layer_it_cannot_train(tmp_path):
+    """An EAGLE export may keep its own MLP width and norm epsilon (drafting takes them), but
+    spot training builds the target's layer: it failed after the policy loaded on the width,
+    and trained with the target's epsilon silently. Refused by name before the policy loads."""
+    from tlt_jax.rl import policy
+    from tlt_jax.rl.config import ModelSettings, SpecConfig
+
+    wide = CONFIG.replace(intermediate_size=2 * CONFIG.intermediate_size,
+                          rms_norm_eps=CONFIG.rms_norm_eps / 10)  # fmt: skip
+    out = export_eagle(init_drafter(wide, 0).params_dict(), wide, tmp_path / "wide")
+    settings = ModelSettings(preset="tiny")
+    policy.check_spec_files(SpecConfig(drafter=str(out)), settings)  # drafting: fine
+    message = (rf"spec\.drafter='.*wide' has intermediate_size={wide.intermediate_size} \(the "
+               rf"target's: {CONFIG.intermediate_size}\), rms_norm_eps={wide.rms_norm_eps!r} "
+               rf"\(the target's: {CONFIG.rms_norm_eps!r}\): spot training "
+               r"\(spot\.enabled\)")  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+        policy.check_spec_files(SpecConfig(drafter=str(out)), settings, spot=True)
 
 
 # ----------------------------------------------------------------------------- config

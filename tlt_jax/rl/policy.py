@@ -191,14 +191,32 @@ def build_tokenizer(settings: ModelSettings):
     return checkpoints.load_tokenizer(settings.name)
 
 
-def check_spec_files(spec: SpecConfig) -> None:
-    """Names a `spec.drafter` folder that is no HF-EAGLE export and a `spec.calibration_file`
-    that cannot be read, before the policy loads (the drafter and the threshold are read only
-    after it)."""
-    if spec.drafter:
-        from tlt_jax.drafter.export import check_eagle_dir
+def check_spec_files(spec: SpecConfig, model: ModelSettings | None = None, *,
+                     spot: bool = False) -> None:  # fmt: skip
+    """Names a `spec.drafter` folder that is no HF-EAGLE export, or one exported for another
+    model than `model`'s, and a `spec.calibration_file` that cannot be read, before the policy
+    loads (the drafter and the threshold are read only after it).
 
-        check_eagle_dir(spec.drafter, "spec.drafter")
+    With `spot` (spot training), also a drafter whose layer differs from the one spot training
+    builds (the target's `intermediate_size` and `rms_norm_eps`; an EAGLE export may keep its
+    own, which drafting alone accepts)."""
+    if spec.drafter:
+        from tlt_jax.drafter.export import check_eagle_dir, check_eagle_target, load_eagle_config
+
+        path = check_eagle_dir(spec.drafter, "spec.drafter")
+        if model is not None:
+            drafter, target = load_eagle_config(path), model_config(model)
+            check_eagle_target(path, drafter, target)
+            diff = [f"{name}={getattr(drafter, name)!r} (the target's: {getattr(target, name)!r})"
+                    for name in ("intermediate_size", "rms_norm_eps")
+                    if getattr(drafter, name) != getattr(target, name)]  # fmt: skip
+            if spot and diff:
+                raise ValueError(
+                    f"spec.drafter={spec.drafter!r} has {', '.join(diff)}: spot training "
+                    "(spot.enabled) trains a drafter layer shaped like the target's; draft "
+                    "with it without spot training, or start spot training from a random "
+                    "drafter (no spec.drafter)"
+                )
     if spec.calibration_file:
         calibrate_lib.load_calibration(spec.calibration_file)
 

@@ -158,7 +158,7 @@ class Trainer:
             self.data_files = data_fingerprint(cfg.data)
             data_changed = check_resumed_data(self.checkpointer, cfg, self.data_files)
             check_resumed_drafter(self.checkpointer, cfg)
-            policy.check_spec_files(cfg.spec)
+            policy.check_spec_files(cfg.spec, cfg.model, spot=cfg.spot.enabled)
             self._train_examples = load_data(cfg.data, cfg.data.train_split)
             self.tokenizer = (tokenizer if tokenizer is not None
                               else policy.build_tokenizer(cfg.model))  # fmt: skip

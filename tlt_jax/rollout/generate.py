@@ -117,10 +117,11 @@ def run(config: GenerateConfig) -> dict[str, Any]:
     tokenizer = checkpoints.load_tokenizer(config.model)
     requests = build_requests(tokenizer, rows, config)
     check_requests(requests, config.max_seq_len)  # the vocabulary once the model is loaded
-    if config.drafter:
-        from tlt_jax.drafter.export import check_eagle_dir
+    if config.drafter:  # a drafter of another model is named before the model loads
+        from tlt_jax.drafter.export import check_eagle_dir, check_eagle_target, load_eagle_config
 
-        check_eagle_dir(config.drafter, "--drafter")
+        path = check_eagle_dir(config.drafter, "--drafter")
+        check_eagle_target(path, load_eagle_config(path), checkpoints.load_config(config.model))
     model = checkpoints.load_model(config.model, param_dtype=config.dtype, dtype=config.dtype)
     drafter, hot_ids = None, None
     if config.source in ("eagle", "hybrid"):
