@@ -579,6 +579,14 @@ def test_online_hot_vocabulary_keeps_the_warm_ups_ids_the_counts_cannot_rank():
     restored = OnlineDrafter(TINY, config, hot_vocab=16, seed=0)
     restored.load_state_dict(online.state_dict(), online.state)
     np.testing.assert_array_equal(restored.hot_ids, online.hot_ids)
+    # Resumed under another spec.hot_vocab: the programs are built for the new size, so the
+    # stored set is re-ranked to it (it was restored whole: every drafter run then failed).
+    for size in (8, 24):
+        resized = OnlineDrafter(TINY, config, hot_vocab=size, seed=0)
+        resized.load_state_dict(online.state_dict(), online.state)
+        assert resized.hot_ids.shape == (size,)
+        np.testing.assert_array_equal(resized.hot_ids[: min(size, 16)],
+                                      online.hot_ids[: min(size, 16)])  # fmt: skip
 
 
 def test_idle_time_counts_from_when_the_last_process_started():

@@ -313,7 +313,11 @@ class OnlineDrafter:
         self._rng.bit_generator.state = state["rng"]
         if state["token_counts"]:
             self.token_counts = np.asarray(state["token_counts"], np.int64)
-        if self.hot_vocab and state.get("hot_ids"):
-            self.hot_ids = np.asarray(state["hot_ids"], np.int32)
+        stored = np.asarray(state.get("hot_ids") or (), np.int32)
+        if self.hot_vocab and len(stored) == self.hot_vocab:
+            self.hot_ids = stored
+        elif self.hot_vocab and len(stored):  # resumed under another spec.hot_vocab: re-ranked
+            # (the programs are built for this size), the stored set first among ties
+            self.hot_ids = hot_token_ids(self.token_counts, self.hot_vocab, prefer=stored)
         elif self.hot_vocab and state["token_counts"]:  # a checkpoint from before hot_ids
             self.hot_ids = hot_token_ids(self.token_counts, self.hot_vocab)
