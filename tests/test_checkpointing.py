@@ -73,6 +73,15 @@ def test_round_trip_retention_and_crash_leftovers(tmp_path):
     assert reopened.latest_step() == 4
     assert reopened.restore(_state()).step == 4
     assert not leftover.exists()
+    # A reader of a live run sees the steps it saves and deletes after the reader opened
+    # (orbax lists them once: the reader chose step 4 and failed on its deleted files).
+    live = RunCheckpointer(tmp_path, read_only=True)
+    for step in (5, 6):
+        reopened.save(step, state.replace(step=jnp.int32(step)), {"epoch": 1, "index": step},
+                      {"total_steps": step})  # fmt: skip
+    reopened.wait()
+    assert live.latest_step() == 6 and live.restore(_state(seed=1)).step == 6
+    live.close()
     reopened.close()
 
 

@@ -72,6 +72,8 @@ class _Checkpointer:
     _manager: ocp.CheckpointManager
 
     def latest_step(self) -> int | None:
+        if self._read_only:  # orbax lists the steps once, when opened: a live run has since
+            self._manager.reload()  # saved newer ones and deleted older ones (max_to_keep)
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
@@ -214,7 +216,7 @@ class RunCheckpointer(_Checkpointer):
           drafter_like: the online drafter's state, if the run has one (restored when the
             checkpoint holds it; `Restored.drafter` is None otherwise).
         """
-        step = self._manager.latest_step() if step is None else step
+        step = self.latest_step() if step is None else step
         if step is None:
             return None
         items = {"state": ocp.args.StandardRestore(self._target(like)),
@@ -308,7 +310,7 @@ class DrafterCheckpointer(_Checkpointer):
             self._metadata["policy_weights"] = policy_weights
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=save_every, create=True,
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
         )  # fmt: skip
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
