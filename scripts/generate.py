@@ -27,7 +27,7 @@ flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus mass (1 disables).")
 flags.DEFINE_integer("top_k", 0, "Top-k (0 disables).", lower_bound=0)
 flags.DEFINE_integer(
-    "seed", 0, "Request i samples with seed + i.", lower_bound=0, upper_bound=2**32 - 1
+    "seed", 0, "Request i samples with seed + i (mod 2**32).", lower_bound=0, upper_bound=2**32 - 1
 )  # a request's PRNG stream is keyed by a uint32
 flags.DEFINE_integer("max_batch_size", 32, "Concurrent requests (slots).", lower_bound=1)
 flags.DEFINE_integer(

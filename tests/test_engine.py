@@ -213,6 +213,16 @@ def test_bad_request_values(make, message):
     assert SamplingParams(top_k=np.int64(5)).top_k == 5
     assert type(Request([1, 2], np.int64(3)).max_new_tokens) is int
     assert type(EngineConfig(max_batch_size=np.int32(4)).max_batch_size) is int
+    config = EngineConfig(spec_max_batch=np.int64(4), layers_per_program=np.int64(2),
+                          one_program_after=np.int32(8))  # fmt: skip
+    assert (config.spec_max_batch, config.layers_per_program, config.one_program_after) == (4, 2, 8)
+    assert all(type(v) is int for v in (config.spec_max_batch, config.layers_per_program))
+    for field in ("spec_max_batch", "layers_per_program", "one_program_after"):
+        with pytest.raises(ValueError, match=rf"engine\.{field}=True must be"):
+            EngineConfig(**{field: True})
+    # A top_k past the vocabulary keeps every token; past int32 (the engine's per-slot array,
+    # where 2**31 failed after a compile) it is clamped, not refused.
+    assert SamplingParams(top_k=2**40).top_k == 2**31 - 1
 
 
 def test_prompt_longer_than_context_fails_before_compiling(model):

@@ -41,6 +41,15 @@ def _generate_ids(tokenizer, rows):
 # ----------------------------------------------------------------------------- stop ids
 
 
+def test_request_seeds_wrap_past_the_largest_seed():
+    """`--seed` takes up to 2**32 - 1, and prompt i samples with seed + i: the second prompt
+    was refused (seed=4294967296), naming neither the flag nor the prompt count."""
+    config = generate.GenerateConfig(seed=2**32 - 1)
+    requests = generate.build_requests(ByteTokenizer(), [{"prompt": "a"}, {"prompt": "b"}],
+                                       config)  # fmt: skip
+    assert [r.seed for r in requests] == [2**32 - 1, 0]
+
+
 def test_byte_tokenizer_stops_on_nul_only_everywhere():
     tokenizer = ByteTokenizer()
     assert stop_token_ids(tokenizer) == (0,)

@@ -142,7 +142,9 @@ class EngineConfig:
     # request waits to be admitted): the host's per-step work (argument dispatch, reading and
     # emitting tokens, stop checks, slot moves) overlaps the device's step. A request's stop is
     # then seen one step late; the one token computed after it is dropped (outputs are those
-    # of `overlap_host=False`, token for token, with plain steps only, or greedy). With a step
+    # of `overlap_host=False` token for token where both run the same programs; a step sized
+    # before a stop is read can run at a larger batch or kv bucket, whose kernels may round a
+    # near tie differently, so in general they are equal in distribution). With a step
     # policy that speculates, a stop seen late can also delay the switch into SD by a step
     # (ends by length are foreseen and are not): sampled tokens of that step then differ from
     # `overlap_host=False`'s, equally distributed (SD is lossless either way).
@@ -175,13 +177,15 @@ class EngineConfig:
             object.__setattr__(self, "spec_strategy", SpecStrategy.parse(self.spec_strategy))
         check_spec_settings(self.spec_strategy, self.spec_max_batch, self.spec_attention_impl)
         n = self.layers_per_program
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        if n is not None and (not _is_int(n) or n < 0):
             raise ValueError(f"engine.layers_per_program={n!r} must be an integer >= 0 (0: one "
                              "program per step) or None (per backend)")  # fmt: skip
-        if (not isinstance(self.one_program_after, int) or isinstance(self.one_program_after, bool)
-                or self.one_program_after < 0):  # fmt: skip
+        if not _is_int(self.one_program_after) or self.one_program_after < 0:
             raise ValueError(f"engine.one_program_after={self.one_program_after!r} must be an "
                              "integer >= 0 (0: never)")  # fmt: skip
+        for name in ("spec_max_batch", "layers_per_program", "one_program_after"):
+            if getattr(self, name) is not None:  # a numpy integer is taken as an int
+                object.__setattr__(self, name, int(getattr(self, name)))
         if self.drafter_sync not in DRAFTER_SYNC:
             raise ValueError(f"engine.drafter_sync={self.drafter_sync!r} is not one of "
                              f"{list(DRAFTER_SYNC)}")  # fmt: skip

@@ -103,7 +103,10 @@ def build_requests(
         ids = encode.encode_row(row)
         if not ids:
             raise ValueError(f"prompt {i} encodes to no tokens; expected a non-empty prompt")
-        requests.append(Request(ids, config.max_new_tokens, sampling, stops, config.seed + i))
+        # Seeds are uint32: `--seed` up to 2**32 - 1 wraps for the later prompts instead of
+        # failing request i (which named neither the flag nor the prompt count).
+        seed = (config.seed + i) % 2**32
+        requests.append(Request(ids, config.max_new_tokens, sampling, stops, seed))
     return requests
 
 

@@ -25,9 +25,13 @@ import numpy as np
 MIN_TEMPERATURE = 1e-4
 
 
+TOP_K_MAX = 2**31 - 1  # the engine keeps each slot's top_k as int32
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 disable them."""
+    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 disable them (a
+    top_k of the vocabulary or more keeps every token, as 0 does)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -47,7 +51,9 @@ class SamplingParams:
         if (not isinstance(self.top_k, int | np.integer) or isinstance(self.top_k, bool)
                 or self.top_k < 0):  # fmt: skip
             raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables it)")
-        object.__setattr__(self, "top_k", int(self.top_k))
+        # Any top_k >= the vocabulary keeps every token: clamped to what the engine's int32
+        # per-slot array holds (2**31 failed there, after the cache program compiled).
+        object.__setattr__(self, "top_k", min(int(self.top_k), TOP_K_MAX))
 
     @property
     def greedy(self) -> bool:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tlt_jax.config_fields import is_int
 from tlt_jax.models.config import ModelConfig
 from tlt_jax.models.decode import DecodeCache
 from tlt_jax.models.transformer import ATTENTION_IMPLS
@@ -53,7 +54,7 @@ def check_spec_settings(strategy, max_batch, attention_impl) -> None:
     if strategy is not None and not isinstance(strategy, SpecStrategy):
         raise ValueError(f"engine.spec_strategy={strategy!r} must be a SpecStrategy, a "
                          "'depth,topk,verify_tokens' string or None")  # fmt: skip
-    if max_batch is not None and (not isinstance(max_batch, int) or max_batch <= 0):
+    if max_batch is not None and (not is_int(max_batch) or max_batch <= 0):
         raise ValueError(f"engine.spec_max_batch={max_batch!r} must be a positive integer or None")
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"engine.spec_attention_impl={attention_impl!r} is not one of "
