@@ -70,6 +70,7 @@ class _Checkpointer:
 
     directory: Path
     _manager: ocp.CheckpointManager
+    _read_only: bool = False  # a reader of another process's run (`RunCheckpointer`)
 
     def latest_step(self) -> int | None:
         if self._read_only:  # orbax lists the steps once, when opened: a live run has since
