@@ -125,6 +125,21 @@ def test_timeline_rows_carry_the_compile_seconds_inside_each_step(model):
     assert sum(row[3] for row in eng.stats.timeline) == 0.0
 
 
+def test_requests_finishing_at_the_end_leave_without_a_slot_move(model, monkeypatch):
+    """Slots 0 and 2 of 3 finish at the same step: slot 2 leaves, slot 1 moves into 0: one
+    move (slot 2 was copied into 0 first, then replaced: each move copies a row of every
+    layer's cache). The tokens are a one-request engine's."""
+    reqs = [Request([1, 2, 3], 4, seed=0), Request([4, 5], 9, seed=1), Request([6], 4, seed=2)]
+    eng = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=64, min_kv_bucket=16))
+    moves = []
+    move = eng._move
+    monkeypatch.setattr(eng, "_move", lambda src, dst: (moves.append((src, dst)), move(src, dst)))
+    got = [c.token_ids for c in eng.generate(reqs)]
+    assert moves == [(1, 0)]
+    alone = RolloutEngine(model, EngineConfig(max_batch_size=1, max_seq_len=64, min_kv_bucket=16))
+    assert got == [c.token_ids for c in alone.generate(reqs)]
+
+
 def test_decode_cost_follows_context(model):
     eng = RolloutEngine(model, EngineConfig(max_batch_size=4, max_seq_len=1024, min_kv_bucket=32))
     eng.generate([Request([1, 2, 3], 10), Request([4, 5], 3)])

@@ -1198,25 +1198,35 @@ class RolloutEngine:
             comp.finish_reason = "length"
 
     def _retire(self, running, done, now, bar) -> list[_Running]:
-        """Removes finished requests, moving the last running slot into each hole."""
-        i = 0
-        while i < len(running):
-            run = running[i]
-            if not run.completion.finish_reason:
-                i += 1
-                continue
+        """Removes finished requests, moving the last live slot into each hole (finished
+        requests at the end leave first: a GRPO group often finishes together, and each move
+        copies a slot's row of every layer's cache)."""
+
+        def finish(run: _Running) -> None:
             run.completion.finish_time = now
             done[run.index] = run.completion
             if self.ngram is not None:
                 self.ngram.finish(run.index)
+
+        retired = 0
+        i = 0
+        while i < len(running):
+            if not running[i].completion.finish_reason:
+                i += 1
+                continue
+            finish(running[i])
+            while len(running) - 1 > i and running[-1].completion.finish_reason:
+                finish(running.pop())
+                retired += 1
             last = len(running) - 1
             if i != last:
                 self._move(last, i)
                 running[i] = running[last]
             running.pop()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(tokens=self.stats.generated_tokens, running=len(running))
+            retired += 1
+        if bar is not None and retired:
+            bar.update(retired)
+            bar.set_postfix(tokens=self.stats.generated_tokens, running=len(running))
         return running
 
 
