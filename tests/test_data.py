@@ -246,6 +246,37 @@ def test_gsm8k_malformed_line_names_file_and_line(tmp_path):
         pipeline.load_split("gsm8k", "train", data_dir=tmp_path / "tfds", manual_dir=raw)
 
 
+# What the generator draws at every level (the first 20 test and 30 train problems, seed 0)
+# and GSM8K's parse of a few solutions, by (Arithmetic.VERSION, Gsm8k.VERSION). TFDS keys a
+# build by its config name and VERSION only: a change to what the code generates or parses
+# would be served from the stale build in ~/.cache/tlt_jax/tfds without a word.
+DATA_PINS = {
+    ("1.0.0", "1.0.0"): ("16a3987e6bb9e64772a9647f61c99ae1f7faa7e043b95f81470fb2d363f0fc10",
+                         ["42", "-3", "1234.5", "7 apples"]),
+}  # fmt: skip
+
+
+def test_a_change_to_the_generated_or_parsed_data_bumps_the_builders_version():
+    import hashlib
+
+    digest = hashlib.sha256()
+    for level in arithmetic.LEVELS:
+        test, expressions = arithmetic.generate_split((level,), 20, 0, "test", frozenset())
+        train, _ = arithmetic.generate_split((level,), 30, 0, "train", expressions)
+        digest.update(json.dumps([test, train], sort_keys=True).encode())
+    solutions = ["2 + 40 = 42\n#### 42", "#### -3", "so\n#### 1,234.5", "#### 7 apples"]
+    versions = (str(arithmetic.Arithmetic.VERSION), str(gsm8k.Gsm8k.VERSION))
+    assert versions in DATA_PINS, f"builder versions {versions}: add their pins to DATA_PINS"
+    generated, parsed = DATA_PINS[versions]
+    assert digest.hexdigest() == generated, (
+        "the arithmetic generator draws other problems: bump Arithmetic.VERSION (a cached "
+        "build would be reused) and pin the new digest"
+    )
+    assert [gsm8k.parse_final_answer(s) for s in solutions] == parsed, (
+        "GSM8K answers parse differently: bump Gsm8k.VERSION and pin the new answers"
+    )
+
+
 def test_a_gsm8k_line_that_is_not_utf8_names_file_and_line(tmp_path):
     """The file was read in the locale's encoding, and a bad byte raised a bare
     UnicodeDecodeError naming neither file nor line; a UTF-8 question in any locale reads."""
