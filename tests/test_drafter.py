@@ -498,6 +498,21 @@ def test_a_drafter_of_another_model_is_refused_by_name_on_every_load_path(tmp_pa
         policy.check_spec_files(SpecConfig(drafter=str(out)), ModelSettings(preset="tiny"))
 
 
+def test_a_linear_rope_targets_own_export_loads(tmp_path):
+    """An HF target with linear RoPE scaling and `original_max_position_embeddings` (unused by
+    linear scaling): its export writes only `factor`, and reloading it compared unequal to the
+    target ('exported for another model'). Unused fields now take their defaults."""
+    from tlt_jax.models.config import RopeScaling
+
+    scaling = RopeScaling("linear", 2.0, original_max_position_embeddings=4096)
+    target = CONFIG.replace(rope_scaling=scaling)
+    assert target.rope_scaling == RopeScaling("linear", 2.0)
+    out = export_eagle(init_drafter(target, 0).params_dict(), target, tmp_path / "eagle")
+    assert load_eagle(out, target=target).config.rope_scaling == target.rope_scaling
+    llama3 = RopeScaling("llama3", 8.0, original_max_position_embeddings=4096)
+    assert llama3 != RopeScaling("llama3", 8.0)  # used there
+
+
 def test_spot_training_refuses_a_warm_drafter_whose_layer_it_cannot_train(tmp_path):
     """An EAGLE export may keep its own MLP width and norm epsilon (drafting takes them), but
     spot training builds the target's layer: it failed after the policy loaded on the width,

@@ -30,6 +30,14 @@ class RopeScaling:
             )
         if self.factor <= 0:
             raise ValueError(f"rope_scaling.factor={self.factor} must be > 0")
+        # Fields the rope type does not use take their defaults, so that configs compare by
+        # what they compute: `to_hf_dict` writes only `factor` for "linear", and an HF config's
+        # `original_max_position_embeddings` there made a drafter export unequal to its target.
+        llama3_only = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        unused = {"default": ("factor", *llama3_only), "linear": llama3_only}
+        for field in dataclasses.fields(self):
+            if field.name in unused.get(self.rope_type, ()):
+                object.__setattr__(self, field.name, field.default)
 
 
 @dataclasses.dataclass(frozen=True)
