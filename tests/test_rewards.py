@@ -183,6 +183,12 @@ def test_spaced_digits_and_trailing_headings_score_as_written():
     assert rewards.extract_answer(text) == "10" and rewards.math_accuracy(text, "10") == 1.0
     assert rewards.format_reward(text) == 1.0
     assert rewards.format_reward("5 + 3 = 8\n#### Step 3") == 0.0  # cut off after a heading
+    # ... and its number is a step's, not the answer: the last number before it is.
+    for text, step in [("Total so far is 18\n#### Step 2", "2"),
+                       ("We know 4 boxes.\n#### 3. Compute the total", "3"),
+                       ("so 12\n#### Part 1:", "1")]:  # fmt: skip
+        assert rewards.math_accuracy(text, step) == 0.0
+    assert rewards.extract_answer("Total so far is 18\n#### Step 2") == "18"
     assert rewards.format_reward(r"\boxed{8}" + "\n#### Step 3") == 1.0
     assert rewards.format_reward("work\n#### Part 2:") == 0.0
     assert rewards.extract_answer("work\n#### twelve") == "twelve"  # a text answer stays

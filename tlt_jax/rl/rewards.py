@@ -120,13 +120,16 @@ def extract_answer(text: str) -> str | None:
 
     Priority: the last complete `\\boxed{...}` (nested braces kept whole, so
     `\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`); else the text after the last `####` on its
-    line; else the last number in the text (signs, thousands separators, decimals and `a/b`
-    kept). `$`, a trailing `.` and surrounding spaces are stripped.
+    line; else the last number in the text outside `####` headings (signs, thousands
+    separators, decimals and `a/b` kept; a heading's number is a step's: "#### Step 2"). `$`,
+    a trailing `.` and surrounding spaces are stripped.
     """
     marked = _marked_answer(text)
     if marked is not None:
         return marked
-    numbers = _LAST_NUMBER_RE.findall(text)
+    # No `####` line is an answer marker here: each is a heading.
+    prose = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith(_HASHES))
+    numbers = _LAST_NUMBER_RE.findall(prose)
     if numbers:
         return _clean(numbers[-1])
     return None
