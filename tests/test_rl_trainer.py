@@ -997,7 +997,10 @@ def test_an_evaluated_prompt_longer_than_the_limit_is_refused_before_the_model_l
     from tlt_jax.data import pipeline
     from tlt_jax.rl import run, trainer
 
+    read = []
+
     def with_a_long_test_question(data, split):
+        read.append(split)
         examples = pipeline.load_data(data, split)
         if split == data.eval_split:
             examples = [{**examples[0], "question": "1 + 1 " * 40}, *examples[1:]]
@@ -1013,8 +1016,12 @@ def test_an_evaluated_prompt_longer_than_the_limit_is_refused_before_the_model_l
             Trainer(config, tmp_path, progress=False)
         with pytest.raises(ValueError, match=want):
             run.evaluate_run(config, None)
-    Trainer(tiny_config(**{"rollout.max_prompt_len": 48, "eval.num_problems": 0}), tmp_path,
-            progress=False).close()  # no evaluation: its split is not read  # fmt: skip
+    # A run that evaluates nothing neither reads nor checks the split.
+    for settings in ({"eval.num_problems": 0}, {"eval.at_start": False, "eval.at_end": False}):
+        read.clear()
+        Trainer(tiny_config(**{"rollout.max_prompt_len": 48, **settings}), tmp_path,
+                progress=False).close()  # fmt: skip
+        assert read == ["train"]
 
 
 def test_evaluation_counts_answers_it_could_not_score_and_uses_the_runs_time_limit(caplog):

@@ -168,10 +168,11 @@ class Trainer:
             questions = [ex["question"] for ex in self._train_examples]
             self._prompt_ids = dict(zip(questions, self.encode.encode_all(questions, "train "
                                         "split"), strict=True))  # fmt: skip
-            # The evaluated prompts too: a long one failed the run's last evaluation, after
-            # every training step.
+            # The evaluated prompts too (where this process evaluates: `run.train_and_evaluate`
+            # on the primary): a long one failed the run's last evaluation, after every step.
             self._eval_examples: list[dict] | None = None
-            if cfg.eval.num_problems > 0:
+            evaluates = cfg.eval.at_start or cfg.eval.at_end
+            if cfg.eval.num_problems > 0 and evaluates and self.group.is_primary:
                 self._eval_examples = load_data(cfg.data, cfg.data.eval_split)
                 self.encode.encode_all([ex["question"] for ex in
                                         self._eval_examples[:cfg.eval.num_problems]],
