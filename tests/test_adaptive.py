@@ -199,6 +199,14 @@ def test_a_new_drafter_version_keeps_only_the_last_versions_rewards_also_after_a
     assert len(policy._rewards[(1, "plain")]) == counts[(1, "plain")] + chosen.count("plain")
     assert resumed.median_rewards() == policy.median_rewards()
     assert _run(resumed, speed, 50, rng_seed=4) == _run(policy, speed, 50, rng_seed=4)
+    # A state saved before the hook (no "fresh"): its windows are kept whole at the next
+    # version, not dropped as rewards of no version.
+    old = {k: v for k, v in policy.state_dict().items() if k != "fresh"}
+    legacy = AdaptivePolicy(cfg)
+    legacy.load_state_dict(json.loads(json.dumps(old)))
+    before = legacy.median_rewards()
+    legacy.drafter_changed()
+    assert legacy.median_rewards() == before and any("eagle" in k for k in before)
 
 
 def test_epsilon_decays_per_bucket_and_survives_checkpoints():

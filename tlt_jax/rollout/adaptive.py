@@ -459,7 +459,13 @@ class AdaptivePolicy:
         }
         self._steps = {int(b): int(n) for b, n in state.get("steps", [])}
         self._tried = {(int(b), str(a)): int(n) for b, a, n in state.get("tried", [])}
-        self._fresh = {(int(b), str(a)): int(n) for b, a, n in state.get("fresh", [])}
+        if "fresh" in state:
+            self._fresh = {(int(b), str(a)): int(n) for b, a, n in state["fresh"]}
+        else:  # a state from before `drafter_changed`: its windows' drafter versions unknown,
+            # they are kept whole at the next version (not dropped as none of its own)
+            self._fresh = {
+                k: len(w) for k, w in self._rewards.items() if k[1] in self._drafter_arms
+            }
         self._rng.bit_generator.state = state["rng"]
         draws = state.get("draws")
         self._draws = None if draws is None else (float(draws[0]), float(draws[1]))
