@@ -80,6 +80,7 @@ def test_round_trip_retention_and_crash_leftovers(tmp_path):
         reopened.save(step, state.replace(step=jnp.int32(step)), {"epoch": 1, "index": step},
                       {"total_steps": step})  # fmt: skip
     reopened.wait()
+    assert live.all_steps() == [5, 6]  # max_to_keep=2 deleted the step it listed at open
     assert live.latest_step() == 6 and live.restore(_state(seed=1)).step == 6
     live.close()
     reopened.close()

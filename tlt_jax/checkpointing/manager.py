@@ -78,6 +78,8 @@ class _Checkpointer:
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        if self._read_only:
+            self._manager.reload()  # as in `latest_step`
         return list(self._manager.all_steps())
 
     def wait(self) -> None:
@@ -185,7 +187,7 @@ class RunCheckpointer(_Checkpointer):
         """`{leaf path: shape}` of the arrays of `item` (e.g. "drafter") in the checkpoint at
         `step` (default latest), from orbax's metadata: no array is read. Paths join the
         pytree's keys with "/" (`tree_paths`). None if there is no such checkpoint or item."""
-        step = self._manager.latest_step() if step is None else step
+        step = self.latest_step() if step is None else step
         path = self.directory / str(step) / item
         if step is None or not path.exists():
             return None
@@ -193,7 +195,7 @@ class RunCheckpointer(_Checkpointer):
         return tree_paths(getattr(metadata, "tree", metadata))
 
     def _read_json(self, item: str, step: int | None) -> dict[str, Any] | None:
-        step = self._manager.latest_step() if step is None else step
+        step = self.latest_step() if step is None else step
         if step is None or not (self.directory / str(step) / item).exists():
             return None
         restored = self._manager.restore(
@@ -337,7 +339,7 @@ class DrafterCheckpointer(_Checkpointer):
           ValueError: when the checkpoint belongs to a different drafter architecture, naming
             the directory and the differing fields, or was trained for another policy.
         """
-        step = self._manager.latest_step() if step is None else step
+        step = self.latest_step() if step is None else step
         if step is None:
             return None
         stored = dict(self._manager.restore(
