@@ -6,8 +6,10 @@ A simulation, not a timing (`tlt_jax.rollout.bandit_bench`): plain decoding, n-g
 and the drafter's EAGLE tree as arms of known speed per RL step, with --noise timing noise on
 every recorded reward, --sd_steps SD-mode decode steps per RL step. Per scenario ("improving":
 a cold start passing plain; "weak"; "strong") and side (the bandit told of every new drafter
-version at the step boundary, as the RL loop does, or not), the mean true speed of the arms it
-chose over the best arm's, over --seeds seeds (1.0: an oracle). Seconds of CPU.
+version at the step boundary, as the RL loop does, or not), the time an oracle that knows
+the speeds would take over the time of the bandit's choices, over --seeds seeds (1.0: the
+oracle). One batch bucket: a real rollout pays the retries in each of its buckets. Seconds
+of CPU.
 """
 
 import sys

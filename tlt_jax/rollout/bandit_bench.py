@@ -3,11 +3,14 @@
 `AdaptivePolicy` picks arms by measured step times, so its behaviour over many RL steps of a
 drafter that changes (a cold start learning online) cannot be timed on a real run without
 also timing everything else. Here each arm has a known speed (tokens per running request per
-second) per RL step, the recorded rewards carry multiplicative timing noise, and the figure
-is the mean true speed of the arms chosen over the best arm's: 1.0 is an oracle that knows
-the speeds. Both sides see the same speeds and noise draws; one is told of each new drafter
-version at the RL step boundary (`drafter_changed`, as `spot.publish_drafter` does), the
-other is not (the bandit before that hook).
+second) per RL step and the recorded rewards carry multiplicative timing noise. Each decode
+step stands for the same tokens, taking 1 / speed of the arm chosen; the figure is the time an
+oracle that knows the speeds would take over the time of the bandit's choices (1.0: the
+oracle). Both sides see the same speeds and noise draws; one is told of each new drafter
+version at the RL step boundary (`drafter_changed`, as `spot.publish_drafter` does), the other
+is not (the bandit before that hook). One batch bucket with one strategy per source: a real
+rollout has up to one bucket per power of two under the SD threshold, each with its drafter
+arms, and the retries after a new version are paid in each.
 """
 
 from __future__ import annotations
@@ -48,11 +51,11 @@ def scenario(name: str, rl_steps: int) -> Callable[[int], dict[str, float]]:
 
 def simulate(speeds: Callable[[int], dict[str, float]], *, told: bool, rl_steps: int,
              sd_steps: int, noise: float, seed: int) -> float:  # fmt: skip
-    """Mean true speed of the chosen arms over the best arm's, over `rl_steps` RL steps of
-    `sd_steps` SD-mode decode steps each."""
+    """The oracle's time over the bandit's for `rl_steps` RL steps of `sd_steps` SD-mode
+    decode steps each (each step: one token per request at the chosen arm's true speed)."""
     policy = AdaptivePolicy(BanditConfig(**ARMS_CONFIG, seed=seed))
     rng = np.random.default_rng(seed + 1)
-    got = best = 0.0
+    taken = oracle = 0.0
     for step in range(rl_steps):
         speed = speeds(step)
         policy.begin()
@@ -61,16 +64,17 @@ def simulate(speeds: Callable[[int], dict[str, float]], *, told: bool, rl_steps:
             true = speed[arm_name(choice)]
             measured = true * max(0.05, 1.0 + noise * rng.standard_normal())
             policy.record(choice, 1, 1, 1.0 / measured)
-            got += true
-            best += max(speed.values())
+            taken += 1.0 / true
+            oracle += 1.0 / max(speed.values())
         if told:
             policy.drafter_changed()
-    return got / best
+    return oracle / taken
 
 
 def run(*, scenarios: tuple[str, ...], seeds: int, rl_steps: int, sd_steps: int,
         noise: float) -> dict:  # fmt: skip
-    """Per scenario, told and untold: the speed fraction's mean, min and max over seeds."""
+    """Per scenario, told and untold: the oracle-time fraction's mean, min and max over
+    seeds."""
     out: dict = {"arms": dict(ARMS_CONFIG), "plain_speed": PLAIN_SPEED,
                  "ngram_speed": NGRAM_SPEED, "seeds": seeds, "rl_steps": rl_steps,
                  "sd_steps_per_rl_step": sd_steps, "timing_noise": noise,
