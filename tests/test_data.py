@@ -403,10 +403,10 @@ def _ids(batch: list[dict]) -> list[int]:
 def test_iterator_follows_the_documented_order():
     iterator = pipeline.PromptIterator(_examples(10), batch_size=4, seed=7)
     flat = [i for _ in range(5) for i in _ids(next(iterator))]  # 20 = two full epochs
-    assert flat[:10] == np.random.default_rng(7).permutation(10).tolist()
-    assert flat[10:] == np.random.default_rng(8).permutation(10).tolist()
+    assert flat[:10] == np.random.default_rng([7, 0]).permutation(10).tolist()
+    assert flat[10:] == np.random.default_rng([7, 1]).permutation(10).tolist()
     assert flat[:10] != flat[10:]
-    assert iterator.state() == {"epoch": 1, "index": 10}
+    assert iterator.state() == {"epoch": 1, "index": 10, "shuffle": 2}
 
     unshuffled = pipeline.PromptIterator(_examples(5), batch_size=3, shuffle=False)
     assert [_ids(next(unshuffled)) for _ in range(2)] == [[0, 1, 2], [3, 4, 0]]
@@ -421,21 +421,40 @@ def test_iterator_is_deterministic_per_seed():
     assert batches(3) != batches(4)
 
 
+def test_a_seed_sweep_does_not_share_epoch_orders_one_epoch_apart():
+    """Epoch e drew `default_rng(seed + e)`: seed 3's second epoch was seed 4's first. A
+    position saved then (no "shuffle" key) still resumes in that order."""
+
+    def epochs(seed: int, state=None) -> list[list[int]]:
+        iterator = pipeline.PromptIterator(_examples(50), batch_size=50, seed=seed)
+        if state is not None:
+            iterator.restore(state)
+        return [_ids(next(iterator)) for _ in range(2)]
+
+    assert epochs(3)[1] != epochs(4)[0]
+    legacy = epochs(3, {"epoch": 0, "index": 0})
+    assert legacy[0] == np.random.default_rng(3).permutation(50).tolist()
+    assert legacy[1] == epochs(4, {"epoch": 0, "index": 0})[0]  # the old overlap, kept
+    assert epochs(3, {"epoch": 0, "index": 0, "shuffle": 2}) == epochs(3)
+    with pytest.raises(ValueError, match="state shuffle=7 is not one of"):
+        epochs(3, {"epoch": 0, "index": 0, "shuffle": 7})
+
+
 def test_iterator_restore_across_epoch_boundary():
     original = pipeline.PromptIterator(_examples(10), batch_size=4, seed=1)
     for _ in range(2):
         next(original)
     saved = json.loads(json.dumps(original.state()))
-    assert saved == {"epoch": 0, "index": 8}
+    assert saved == {"epoch": 0, "index": 8, "shuffle": 2}
     expected = [_ids(next(original)) for _ in range(4)]  # crosses into epochs 1 and 2
-    assert original.state() == {"epoch": 2, "index": 4}
+    assert original.state() == {"epoch": 2, "index": 4, "shuffle": 2}
 
     restored = pipeline.PromptIterator(_examples(10), batch_size=4, seed=1)
     next(restored)  # a restored iterator's own history must not matter
     restored.restore(saved)
     assert [_ids(next(restored)) for _ in range(4)] == expected
 
-    numpy_state = {"epoch": np.int64(0), "index": np.asarray(8)}  # as orbax may hand back
+    numpy_state = {"epoch": np.int64(0), "index": np.asarray(8), "shuffle": np.int64(2)}
     from_numpy = pipeline.PromptIterator(_examples(10), batch_size=4, seed=1)
     from_numpy.restore(numpy_state)
     assert _ids(next(from_numpy)) == expected[0]

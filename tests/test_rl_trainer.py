@@ -1161,13 +1161,15 @@ def test_a_resume_under_another_data_config_is_refused_unless_allowed(tmp_path):
         with pytest.raises(ValueError, match=message):
             Trainer(tiny_config(total_steps=2, **changed), tmp_path, progress=False)
     same = Trainer(tiny_config(total_steps=1), tmp_path, progress=False)
-    assert same.restored_from == 1 and same.iterator.state() == {"epoch": 0, "index": 2}
+    assert same.restored_from == 1
+    assert same.iterator.state() == {"epoch": 0, "index": 2, "shuffle": 2}
     same.close()
     allowed_config = tiny_config(
         total_steps=1, **changed, **{"data.num_train": 1, "checkpoint.allow_data_change": True}
     )
     allowed = Trainer(allowed_config, tmp_path, progress=False)
-    assert allowed.restored_from == 1 and allowed.iterator.state() == {"epoch": 1, "index": 0}
+    assert allowed.restored_from == 1
+    assert allowed.iterator.state() == {"epoch": 1, "index": 0, "shuffle": 2}
     allowed.close()
     # Another drafter is not refused (SD is lossless) but named: this checkpoint's run
     # trained none online, so the rollouts draft with the new one.

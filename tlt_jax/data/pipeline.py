@@ -6,8 +6,9 @@ random access in pure Python, so TensorFlow is never imported. The default `tfre
 would need TensorFlow to write, which is why `file_format="array_record"` is always passed.
 
 `PromptIterator` walks a split in fixed-size batches, reshuffling each epoch with
-`numpy.random.default_rng(seed + epoch)`; its position `{"epoch", "index"}` is JSON-serialisable
-for checkpoints, and restoring it replays exactly the batches that would have come next.
+`numpy.random.default_rng([seed, epoch])`; its position `{"epoch", "index", "shuffle"}` is
+JSON-serialisable for checkpoints, and restoring it replays exactly the batches that would
+have come next.
 """
 
 from __future__ import annotations
@@ -260,12 +261,21 @@ def read_prompt_rows(path: str | os.PathLike, limit: int | None = None, *,
     return rows
 
 
+# How an epoch's order is drawn: 2, `default_rng([seed, epoch])`; 1 (positions saved before
+# 2026-12-08), `default_rng(seed + epoch)`.
+SHUFFLE_SCHEME, LEGACY_SHUFFLE_SCHEME = 2, 1
+
+
 class PromptIterator:
     """Endless, deterministic batches of examples that can resume from a saved position.
 
-    Epoch `e` visits the examples in the order `default_rng(seed + e).permutation(n)` (or in
+    Epoch `e` visits the examples in the order `default_rng([seed, e]).permutation(n)` (or in
     stored order when `shuffle=False`). Batches run across epoch boundaries, so every batch
     has exactly `batch_size` examples.
+
+    A position saved before 2026-12-08 (no "shuffle" key) resumes in the order of then,
+    `default_rng(seed + e)`, under which seed s at epoch e + 1 repeated seed s + 1 at epoch
+    e: the runs of a seed sweep shared their epochs' orders, one epoch apart.
     """
 
     def __init__(
@@ -276,7 +286,7 @@ class PromptIterator:
         Args:
           examples: the split, with random access (a list or a data source).
           batch_size: examples per batch, at least 1.
-          seed: shuffle seed, at least 0; epoch `e` uses `seed + e`.
+          seed: shuffle seed, at least 0; epoch `e` draws from `default_rng([seed, e])`.
           shuffle: whether to permute each epoch.
         """
         if len(examples) == 0:
@@ -291,16 +301,16 @@ class PromptIterator:
         self._shuffle = shuffle
         self._epoch = 0
         self._index = 0
+        self._scheme = SHUFFLE_SCHEME
         self._order_epoch = -1
         self._order = np.arange(0)
 
     def _order_for(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
             n = len(self._examples)
+            key = [self._seed, epoch] if self._scheme == SHUFFLE_SCHEME else self._seed + epoch
             self._order = (
-                np.random.default_rng(self._seed + epoch).permutation(n)
-                if self._shuffle
-                else np.arange(n)
+                np.random.default_rng(key).permutation(n) if self._shuffle else np.arange(n)
             )
             self._order_epoch = epoch
         return self._order
@@ -324,24 +334,33 @@ class PromptIterator:
         return self._epoch
 
     def state(self) -> dict[str, int]:
-        """Returns the position, `{"epoch": int, "index": int}` (JSON-serialisable)."""
-        return {"epoch": self._epoch, "index": self._index}
+        """Returns the position, `{"epoch": int, "index": int, "shuffle": int}` (the order's
+        scheme; JSON-serialisable)."""
+        return {"epoch": self._epoch, "index": self._index, "shuffle": self._scheme}
 
     def restore(self, state: Mapping[str, int]) -> None:
         """Moves to a position returned by `state()` (of an iterator over the same split).
 
         Args:
-          state: `{"epoch": int >= 0, "index": int in [0, len(examples)]}`; numpy or 0-d array
-            integers (as an orbax checkpoint may return) are accepted.
+          state: `{"epoch": int >= 0, "index": int in [0, len(examples)]}` and the order's
+            `"shuffle"` scheme (absent: a position saved before it, drawn as then); numpy or
+            0-d array integers (as an orbax checkpoint may return) are accepted.
         """
-        if set(state) != {"epoch", "index"}:
-            raise ValueError(f"state keys {sorted(state)} must be exactly ['epoch', 'index']")
+        if set(state) not in ({"epoch", "index"}, {"epoch", "index", "shuffle"}):
+            raise ValueError(f"state keys {sorted(state)} must be ['epoch', 'index'] and "
+                             "optionally 'shuffle'")  # fmt: skip
+        scheme = int(np.asarray(state.get("shuffle", LEGACY_SHUFFLE_SCHEME)).item())
+        if scheme not in (LEGACY_SHUFFLE_SCHEME, SHUFFLE_SCHEME):
+            raise ValueError(f"state shuffle={scheme} is not one of "
+                             f"{[LEGACY_SHUFFLE_SCHEME, SHUFFLE_SCHEME]}")  # fmt: skip
         epoch, index = (int(np.asarray(state[key]).item()) for key in ("epoch", "index"))
         if epoch < 0:
             raise ValueError(f"state epoch={epoch} must be >= 0")
         if not 0 <= index <= len(self._examples):
             raise ValueError(f"state index={index} must be in [0, {len(self._examples)}]")
         self._epoch, self._index = epoch, index
+        if scheme != self._scheme:
+            self._scheme, self._order_epoch = scheme, -1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -258,7 +258,7 @@ class Trainer:
                 log.warning("checkpoint data position %s is past the new train split's %d "
                             "examples: starting the next epoch", position,
                             len(self._train_examples))  # fmt: skip
-                position = {"epoch": int(position["epoch"]) + 1, "index": 0}
+                position = {**position, "epoch": int(position["epoch"]) + 1, "index": 0}
             self.iterator.restore(position)
             self.restored_from = restored.step
             changed = {k for k, v in cfg.to_dict().items() if restored.config.get(k) != v}
