@@ -36,7 +36,7 @@ def main(argv):
 
     for name in FLAGS.scenarios:  # named before anything runs
         try:
-            bandit_bench.scenario(name, FLAGS.rl_steps)(0)
+            bandit_bench.scenario(name, FLAGS.rl_steps)
         except ValueError as e:
             raise app.UsageError(f"--scenarios: {e}") from e
     command = " ".join([sys.executable.split("/")[-1]] + sys.argv)

@@ -209,8 +209,8 @@ def check_spec_files(spec: SpecConfig, model: ModelSettings | None = None, *,
             check_eagle_target(path, drafter, target)
             diff = [f"{name}={getattr(drafter, name)!r} (the target's: {getattr(target, name)!r})"
                     for name in ("intermediate_size", "rms_norm_eps")
-                    if getattr(drafter, name) != getattr(target, name)]  # fmt: skip
-            if spot and diff:
+                    if spot and getattr(drafter, name) != getattr(target, name)]  # fmt: skip
+            if diff:
                 raise ValueError(
                     f"spec.drafter={spec.drafter!r} has {', '.join(diff)}: spot training "
                     "(spot.enabled) trains a drafter layer shaped like the target's; draft "

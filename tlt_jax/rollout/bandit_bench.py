@@ -28,23 +28,21 @@ ARMS_CONFIG = dict(threshold=1, warmup_steps=0, bucket_bounds=(1,), strategies=(
 PLAIN_SPEED, NGRAM_SPEED = 30.0, 25.0
 
 
+SCENARIOS = ("improving", "weak", "strong")
+
+
 def scenario(name: str, rl_steps: int) -> Callable[[int], dict[str, float]]:
     """RL step -> arm speeds. "improving": the EAGLE arm from 0.5x plain's speed to 2x over
     the first three quarters of the steps (a cold start that passes plain and n-gram drafts
     on the way); "weak" / "strong": 0.5x / 2x plain throughout."""
-    eagle, ngram = "eagle:8,4,8", "ngram:8,4,8"
+    if name not in SCENARIOS:
+        raise ValueError(f"scenario {name!r} is not one of {list(SCENARIOS)}")
+    plain, eagle, ngram = (arm_name(a) for a in BanditConfig(**ARMS_CONFIG).bucket_arms(0))
 
     def speeds(step: int) -> dict[str, float]:
-        if name == "improving":
-            x = min(step / max(1, round(0.75 * rl_steps)), 1.0)
-            e = (0.5 + 1.5 * x) * PLAIN_SPEED
-        elif name == "weak":
-            e = 0.5 * PLAIN_SPEED
-        elif name == "strong":
-            e = 2.0 * PLAIN_SPEED
-        else:
-            raise ValueError(f"scenario {name!r} is not one of ['improving', 'weak', 'strong']")
-        return {"plain": PLAIN_SPEED, ngram: NGRAM_SPEED, eagle: e}
+        x = min(step / max(1, round(0.75 * rl_steps)), 1.0) if name == "improving" else 0.0
+        ratio = {"improving": 0.5 + 1.5 * x, "weak": 0.5, "strong": 2.0}[name]
+        return {plain: PLAIN_SPEED, ngram: NGRAM_SPEED, eagle: ratio * PLAIN_SPEED}
 
     return speeds
 
